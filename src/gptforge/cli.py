@@ -1,0 +1,156 @@
+"""The `gptforge` command: each subcommand parses its flags and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gptforge import __version__
+from gptforge.errors import GptforgeError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `gptforge train: error: ... (see --help)`."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from gptforge.data.prepare import prepare
+
+    m = prepare(args.source, args.out, args.tokenizer, args.val_fraction, args.shard_tokens, args.workers,
+                args.text_field)
+    for split, s in m["splits"].items():
+        print(f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB")
+    print(f"wrote {len(m['shards'])} shard(s) and manifest.json to {args.out}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from gptforge.config import describe, load_config
+    from gptforge.trainer import train
+
+    if args.help_config:
+        print(describe())
+        return
+    overrides = list(args.set)
+    if args.data:
+        overrides.append(f"data.path={args.data}")
+    train(load_config(args.config, overrides), args.out, resume=args.resume)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.evaluate import evaluate_loss
+    from gptforge.runtime import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    model, _, cfg, meta = load_checkpoint(args.checkpoint, device)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    result = evaluate_loss(model, args.data, args.batch_size, cfg.model.block_size, args.tokens, device, dtype)
+    result["step"] = meta["step"]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"step {meta['step']}: val loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | bpb {result['bpb']:.3f} "
+              f"over {result['tokens']:,} tokens")
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    import torch
+
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.generate import generate
+    from gptforge.runtime import resolve_device
+
+    device = resolve_device(args.device)
+    model, tok, _, _ = load_checkpoint(args.checkpoint, device)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    outs = generate(model, tok.encode(args.prompt), args.max_new_tokens, args.num_samples, args.temperature,
+                    args.top_k or None, tok.eot, g)
+    for i, new in enumerate(outs):
+        print(f"--- sample {i}\n{args.prompt}{tok.decode(new)}")
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    from gptforge.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from gptforge.demo import run_demo
+
+    run_demo(args.out, args.data, args.time_budget, args.set)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="gptforge", description="Pretrain GPT-2-class language models from scratch.")
+    p.add_argument("--version", action="version", version=f"gptforge {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    s = sub.add_parser("prepare", help="tokenize a corpus into token shards + manifest.json")
+    s.add_argument("source", help="'stdlib' (this interpreter's standard library), a file, or a folder")
+    s.add_argument("--out", required=True, help="output folder for shards and manifest.json")
+    s.add_argument("--tokenizer", default="gpt2", help="tokenizer (default: gpt2)")
+    s.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    s.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
+    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    s.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    s.set_defaults(func=cmd_prepare)
+
+    s = sub.add_parser("train", help="train a GPT on prepared shards")
+    s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
+    s.add_argument("--data", help="prepared data folder (sets data.path)")
+    s.add_argument("--out", default="runs/train", help="run folder (default: runs/train)")
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
+    s.add_argument("--resume", metavar="auto|PATH", help="continue from the run's newest checkpoint or PATH")
+    s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("eval", help="validation loss / perplexity of a checkpoint")
+    s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
+    s.add_argument("--data", required=True, help="prepared data folder with a val split")
+    s.add_argument("--tokens", type=int, default=1_048_576, help="validation tokens (default 1M)")
+    s.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("sample", help="generate text from a checkpoint")
+    s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
+    s.add_argument("--prompt", default="", help="text to continue")
+    s.add_argument("-n", "--num-samples", type=int, default=1)
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=50, help="0 = no top-k")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default="auto")
+    s.set_defaults(func=cmd_sample)
+
+    s = sub.add_parser("plot", help="PNG of a run's losses and learning rate")
+    s.add_argument("run_dir")
+    s.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png)")
+    s.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
+    s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
+    s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
+    s.add_argument("--time-budget", type=float, default=None, help="training seconds (default: the preset's)")
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except GptforgeError as e:
+        print(f"gptforge {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,229 @@
+"""Run configuration: nested dataclasses; defaults < TOML preset < `--set section.key=value` overrides.
+
+Unknown sections/keys and wrong types are errors. Each field's docstring is its documentation
+(`gptforge train --help-config` prints them).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from gptforge.errors import GptforgeError
+from gptforge.model import GPTConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Folder written by `gptforge prepare` (manifest.json + shards); `--data` sets it."""
+    shuffle: bool = True
+    """Serve training windows in a seeded random order each epoch (else in corpus order)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio (GPT-3: 10%)."""
+    warmup_steps: int = 715
+    """Linear warm-up steps from lr/warmup_steps to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices and embeddings only (not biases or LayerNorm gains)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2 (GPT-3: 0.95)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch: int = 64
+    """Sequences per forward/backward pass per process (B)."""
+    batch_tokens: int = 524_288
+    """Tokens per optimizer step across all processes; gradient accumulation makes up the difference."""
+    max_steps: int = 19_073
+    """Optimizer steps; the LR schedule spans exactly these."""
+    time_budget: float = 0.0
+    """Wall-clock seconds for the run (0: none). Steps are cut to fit, measured after a few steps."""
+    seed: int = 1337
+    """Seed for initialization and data order."""
+    device: str = "auto"
+    """auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps."""
+    dtype: str = "auto"
+    """auto, float32, bfloat16 or float16: autocast dtype. auto = bf16 on GPUs and on CPUs with native bf16."""
+    compile: bool = False
+    """torch.compile the model for training (evaluation and sampling keep working)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 250
+    """Validate every N steps (and at the first and last step); 0: only at the start and the end."""
+    tokens: int = 1_048_576
+    """Validation tokens per evaluation (rounded down to whole batches; capped by the split's size)."""
+    prompt: str = "def fibonacci(n):"
+    """Prompt for the text sample printed at each evaluation."""
+    sample_tokens: int = 64
+    """Tokens to generate for that sample (0: no samples)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 5000
+    """Save a checkpoint every N steps (0: only at the end); the last step always saves."""
+
+
+@dataclass
+class LogConfig:
+    every: int = 1
+    """Print a console line every N steps (every step is written to metrics.jsonl)."""
+
+
+@dataclass
+class Config:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    """Check a TOML value (or parse a `--set` string) against a field's type."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip().lower()
+        try:
+            if typ is bool:
+                if text not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return text in ("true", "1")
+            return typ(value)
+        except ValueError:
+            raise GptforgeError(f"{where}: expected {typ.__name__}, got {value!r}") from None
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise GptforgeError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _section_types(section: Any) -> dict[str, type]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+    section_name, _, key = dotted.partition(".")
+    section = getattr(cfg, section_name, None) if section_name in _section_types(cfg) else None
+    if section is None:
+        raise GptforgeError(f"{where}: unknown config section {section_name!r} (expected one of {list(_section_types(cfg))})")
+    types = _section_types(section)
+    if key not in types:
+        raise GptforgeError(f"{where}: unknown key {dotted!r} (expected one of {sorted(types)})")
+    setattr(section, key, _coerce(value, types[key], f"{where}: {dotted}"))
+
+
+def preset_path(name: str) -> Path:
+    """A preset name (`configs/NAME.toml` shipped with the package) or a path to a TOML file."""
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise GptforgeError(f"--config {name}: no such file")
+        return path
+    shipped = resources.files("gptforge") / "configs" / f"{name}.toml"
+    if not shipped.is_file():
+        raise GptforgeError(f"--config {name}: unknown preset (expected one of {preset_names()} or a .toml file)")
+    return Path(str(shipped))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in (resources.files("gptforge") / "configs").iterdir() if p.name.endswith(".toml"))
+
+
+def load_config(preset: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the preset's TOML, then `section.key=value` overrides."""
+    cfg = Config()
+    if preset:
+        path = preset_path(preset)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise GptforgeError(f"{path}: invalid TOML ({e})") from None
+        for section_name, values in data.items():
+            if not isinstance(values, dict):
+                raise GptforgeError(f"{path}: top-level key {section_name!r} must be a [section]")
+            for key, value in values.items():
+                _set(cfg, f"{section_name}.{key}", value, str(path))
+    for item in overrides:
+        dotted, eq, value = item.partition("=")
+        if not eq:
+            raise GptforgeError(f"--set {item}: expected section.key=value")
+        _set(cfg, dotted.strip(), value, f"--set {item}")
+    return cfg
+
+
+def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config saved with `to_dict` (checkpoints), validating as a preset would be."""
+    cfg = Config()
+    for section_name, values in data.items():
+        for key, value in values.items():
+            _set(cfg, f"{section_name}.{key}", value, "checkpoint config")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (sections of scalars; strings JSON-escaped, which TOML accepts)."""
+    lines = []
+    for section_name, values in to_dict(cfg).items():
+        lines.append(f"[{section_name}]")
+        for key, value in values.items():
+            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe() -> str:
+    """Every option with its default and docstring, for `--help-config`."""
+    out = []
+    for section_name, section in vars(Config()).items():
+        docs = _field_docs(type(section))
+        for f in dataclasses.fields(section):
+            out.append(f"  {section_name}.{f.name} = {getattr(section, f.name)!r}\n      {docs.get(f.name, '')}")
+    return "\n".join(out)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right after each annotated field."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs

@@ -1,0 +1,1 @@
+"""Corpus -> token shards -> batches."""

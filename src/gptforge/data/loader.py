@@ -1,0 +1,95 @@
+"""`TokenLoader`: batches of (x, y) windows from memory-mapped shards, disjoint across ranks, resumable.
+
+A split's shards form one token stream cut into windows of T+1 tokens at stride T (windows cross shard
+boundaries). Each epoch serves every window once in a seeded order; a global batch takes B*world windows and
+rank r gets the r-th block of B. Windows left over at an epoch's end that cannot fill a global batch are skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptforge.data.shards import read_manifest, read_shard
+from gptforge.errors import GptforgeError
+
+
+class TokenLoader:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        manifest = read_manifest(data_dir)
+        vocab = manifest["tokenizer"]["vocab_size"]
+        files = [s["file"] for s in manifest["shards"] if s["split"] == split]
+        self.shards = [read_shard(Path(data_dir) / f, vocab) for f in files]
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.n_windows = max(0, (int(self.offsets[-1]) - 1) // seq_len)
+        self.batches_per_epoch = self.n_windows // (batch_size * world_size)
+        if self.batches_per_epoch == 0:
+            raise GptforgeError(
+                f"{data_dir}: split {split!r} has {int(self.offsets[-1]):,} tokens, too few for one batch of "
+                f"{batch_size} x {seq_len + 1} tokens x {world_size} rank(s)"
+            )
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n_windows)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n_windows)
+
+    def _window(self, w: int) -> np.ndarray:
+        start, end = w * self.T, w * self.T + self.T + 1
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces = []
+        while start < end:
+            take = min(end, int(self.offsets[i + 1])) - start
+            local = start - int(self.offsets[i])
+            pieces.append(self.shards[i][local : local + take])
+            start += take
+            i += 1
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next (x, y), both (B, T) int64; advances to a new shuffled epoch when one runs out."""
+        if self.position >= self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._epoch_order()
+        first = self.position * self.B * self.world + self.rank * self.B
+        windows = self._order[first : first + self.B]
+        self.position += 1
+        buf = torch.from_numpy(np.stack([self._window(int(w)) for w in windows]).astype(np.int64))
+        return buf[:, :-1], buf[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.B,
+            "seq_len": self.T,
+            "world_size": self.world,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shape = (state["batch_size"], state["seq_len"], state["world_size"])
+        if shape != (self.B, self.T, self.world):
+            raise GptforgeError(
+                f"cannot resume the data position: saved with batch {shape[0]} x {shape[1]} on {shape[2]} rank(s), "
+                f"now {self.B} x {self.T} on {self.world}"
+            )
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._order = self._epoch_order()
