@@ -65,7 +65,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
-        raise GptforgeError(f"{path}: not a checkpoint (expected a folder with {META}, or a run folder with checkpoints/)")
+        raise GptforgeError(
+            f"{path}: not a checkpoint (expected a folder with {META}, or a run folder with checkpoints/)"
+        )
     return latest
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from gptforge import __version__
+from gptforge.allocator import keep_freed_memory
 from gptforge.errors import GptforgeError
 
 
@@ -20,8 +21,9 @@ class Parser(argparse.ArgumentParser):
 def cmd_prepare(args: argparse.Namespace) -> None:
     from gptforge.data.prepare import prepare
 
-    m = prepare(args.source, args.out, args.tokenizer, args.val_fraction, args.shard_tokens, args.workers,
-                args.text_field)
+    m = prepare(
+        args.source, args.out, args.tokenizer, args.val_fraction, args.shard_tokens, args.workers, args.text_field
+    )
     for split, s in m["splits"].items():
         print(f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB")
     print(f"wrote {len(m['shards'])} shard(s) and manifest.json to {args.out}")
@@ -53,8 +55,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"step {meta['step']}: val loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | bpb {result['bpb']:.3f} "
-              f"over {result['tokens']:,} tokens")
+        print(
+            f"step {meta['step']}: val loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | bpb {result['bpb']:.3f} "
+            f"over {result['tokens']:,} tokens"
+        )
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
@@ -67,8 +71,16 @@ def cmd_sample(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     model, tok, _, _ = load_checkpoint(args.checkpoint, device)
     g = torch.Generator(device=device).manual_seed(args.seed)
-    outs = generate(model, tok.encode(args.prompt), args.max_new_tokens, args.num_samples, args.temperature,
-                    args.top_k or None, tok.eot, g)
+    outs = generate(
+        model,
+        tok.encode(args.prompt),
+        args.max_new_tokens,
+        args.num_samples,
+        args.temperature,
+        args.top_k or None,
+        tok.eot,
+        g,
+    )
     for i, new in enumerate(outs):
         print(f"--- sample {i}\n{args.prompt}{tok.decode(new)}")
 
@@ -144,6 +156,7 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

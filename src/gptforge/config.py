@@ -109,9 +109,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-def _coerce(value: Any, typ: type, where: str) -> Any:
-    """Check a TOML value (or parse a `--set` string) against a field's type."""
-    if isinstance(value, str) and typ is not str:
+def _coerce(value: Any, typ: type, where: str, parse: bool) -> Any:
+    """Parse a `--set` string (parse=True) or check a TOML/JSON value against a field's type."""
+    if parse and typ is not str:
         text = value.strip().lower()
         try:
             if typ is bool:
@@ -134,15 +134,16 @@ def _section_types(section: Any) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section)}
 
 
-def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+def _set(cfg: Config, dotted: str, value: Any, where: str, parse: bool = False) -> None:
     section_name, _, key = dotted.partition(".")
     section = getattr(cfg, section_name, None) if section_name in _section_types(cfg) else None
     if section is None:
-        raise GptforgeError(f"{where}: unknown config section {section_name!r} (expected one of {list(_section_types(cfg))})")
+        sections = list(_section_types(cfg))
+        raise GptforgeError(f"{where}: unknown config section {section_name!r} (expected one of {sections})")
     types = _section_types(section)
     if key not in types:
         raise GptforgeError(f"{where}: unknown key {dotted!r} (expected one of {sorted(types)})")
-    setattr(section, key, _coerce(value, types[key], f"{where}: {dotted}"))
+    setattr(section, key, _coerce(value, types[key], f"{where}: {dotted}", parse))
 
 
 def preset_path(name: str) -> Path:
@@ -180,7 +181,7 @@ def load_config(preset: str | None = None, overrides: list[str] = ()) -> Config:
         dotted, eq, value = item.partition("=")
         if not eq:
             raise GptforgeError(f"--set {item}: expected section.key=value")
-        _set(cfg, dotted.strip(), value, f"--set {item}")
+        _set(cfg, dotted.strip(), value, f"--set {item}", parse=True)
     return cfg
 
 
@@ -223,7 +224,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings: the string literal right after each annotated field."""
     body = ast.parse(inspect.getsource(cls)).body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value)
     return docs

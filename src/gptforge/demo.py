@@ -61,9 +61,15 @@ def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str
 
     plot = plot_run(out_dir)
     summary = {
-        "before": before, "after": after, "steps": result.steps, "tokens": result.tokens,
-        "seconds": round(result.seconds, 1), "params": model.num_params(), "checkpoint": str(result.checkpoint),
-        "plot": str(plot), "completions": completions,
+        "before": before,
+        "after": after,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 1),
+        "params": model.num_params(),
+        "checkpoint": str(result.checkpoint),
+        "plot": str(plot),
+        "completions": completions,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {result.checkpoint}, {out_dir / 'metrics.jsonl'}, {plot}, {out_dir / 'summary.json'}")

@@ -14,7 +14,7 @@ class MetricsLog:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run)
 
     def write(self, kind: str, step: int, **values: Any) -> None:
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}

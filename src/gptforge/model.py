@@ -139,7 +139,7 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the real vocabulary; with targets, also the mean cross-entropy (fp32)."""
         B, T = idx.shape
-        if T > self.config.block_size:
+        if self.config.block_size < T:
             raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))

@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from gptforge.allocator import keep_freed_memory
 from gptforge.errors import GptforgeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +57,8 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def setup_fast_math(device: torch.device) -> None:
+    if device.type == "cpu":
+        keep_freed_memory()  # a no-op after the first call (the CLI makes it before torch loads)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -22,7 +22,9 @@ from gptforge.optim import build_optimizer, cosine_lr
 from gptforge.runtime import autocast, resolve_device, resolve_dtype, setup_fast_math
 from gptforge.tokenizer import load_tokenizer
 
-CALIBRATION_STEPS = 5  # steps timed before a time budget fixes the step count
+# A time budget fixes the step count from the pace of steps CALIBRATION_START..CALIBRATION_END
+# (the first steps pay for warm-up: allocator, compilation).
+CALIBRATION_START, CALIBRATION_END = 3, 10
 
 
 @dataclass
@@ -85,9 +87,9 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
     samples_path = run_dir / "samples.jsonl"
 
     def evaluate(at_step: int) -> dict[str, float]:
+        t = time.perf_counter()
         val = evaluate_loss(model, cfg.data.path, B, T, cfg.eval.tokens, device, dtype)
         metrics.write("val", at_step, **val)
-        print(f"step {at_step:>6} | val loss {val['loss']:.4f} | ppl {val['ppl']:.2f} | bpb {val['bpb']:.3f}", flush=True)
         if cfg.eval.sample_tokens > 0:
             g = torch.Generator(device=device).manual_seed(cfg.train.seed + at_step)
             prompt = tokenizer.encode(cfg.eval.prompt)
@@ -96,18 +98,28 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
             text = cfg.eval.prompt + tokenizer.decode(new[0])
             with open(samples_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": at_step, "prompt": cfg.eval.prompt, "text": text}) + "\n")
+        print(
+            f"step {at_step:>6} | val loss {val['loss']:.4f} | ppl {val['ppl']:.2f} | bpb {val['bpb']:.3f} | "
+            f"{time.perf_counter() - t:.1f}s",
+            flush=True,
+        )
         return val
 
     def checkpoint(at_step: int) -> Path:
         return save_checkpoint(
-            run_dir, at_step, model, optimizer, cfg, tokenizer,
+            run_dir,
+            at_step,
+            model,
+            optimizer,
+            cfg,
+            tokenizer,
             extra={"tokens": tokens_seen, "max_steps": max_steps, "loader": loader.state_dict()},
         )
 
     t_eval = time.perf_counter()
     first_val = evaluate(step) if has_val and step == 0 else None
     eval_seconds = time.perf_counter() - t_eval
-    last_val, last_ckpt = first_val, None
+    last_val = first_val
     min_lr = cfg.optim.lr * cfg.optim.min_lr_ratio
     t_calibrate = None
     t_loop, step_loop = time.perf_counter(), step
@@ -137,19 +149,27 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         dt = time.perf_counter() - t0
         elapsed = time.perf_counter() - t_start
 
-        if cfg.train.time_budget > 0 and step == 1:
-            t_calibrate = time.perf_counter()  # step 1 pays for warm-up and compilation; time the next ones
-        elif cfg.train.time_budget > 0 and step == CALIBRATION_STEPS and t_calibrate is not None:
-            per_step = (time.perf_counter() - t_calibrate) / (CALIBRATION_STEPS - 1)
+        if cfg.train.time_budget > 0 and step == CALIBRATION_START:
+            t_calibrate = time.perf_counter()
+        elif cfg.train.time_budget > 0 and step == CALIBRATION_END and t_calibrate is not None:
+            per_step = (time.perf_counter() - t_calibrate) / (CALIBRATION_END - CALIBRATION_START)
             if cfg.eval.every and has_val:
                 per_step += eval_seconds / cfg.eval.every
             left = cfg.train.time_budget - elapsed - eval_seconds
             max_steps = max(step, min(max_steps, step + int(left / per_step)))
             print(f"time budget {cfg.train.time_budget:.0f}s: {per_step:.2f}s/step -> {max_steps} steps", flush=True)
 
-        metrics.write("train", step, loss=loss_value, lr=lr, grad_norm=float(norm), ms=dt * 1000,
-                      tokens=tokens_seen, tokens_per_s=cfg.train.batch_tokens / dt)
-        if step % cfg.log.every == 0 or step == max_steps:
+        metrics.write(
+            "train",
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=float(norm),
+            ms=dt * 1000,
+            tokens=tokens_seen,
+            tokens_per_s=cfg.train.batch_tokens / dt,
+        )
+        if step % max(1, cfg.log.every) == 0 or step == max_steps:
             eta = (time.perf_counter() - t_loop) / (step - step_loop) * (max_steps - step)
             print(
                 f"step {step:>6}/{max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | norm {float(norm):.2f} | "
@@ -159,7 +179,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         if step < max_steps and has_val and cfg.eval.every and step % cfg.eval.every == 0:
             last_val = evaluate(step)
         if step < max_steps and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            last_ckpt = checkpoint(step)
+            checkpoint(step)
         if cfg.train.time_budget > 0 and elapsed > cfg.train.time_budget and step < max_steps:
             print(f"time budget of {cfg.train.time_budget:.0f}s spent: stopping at step {step}", flush=True)
             max_steps = step
@@ -169,5 +189,5 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
     last_ckpt = checkpoint(step)
     metrics.close()
     seconds = time.perf_counter() - t_start
-    print(f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(seconds)}; checkpoint {last_ckpt}", flush=True)
+    print(f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(seconds)}; saved {last_ckpt}", flush=True)
     return TrainResult(run_dir, last_ckpt, step, tokens_seen, seconds, first_val, last_val)

@@ -107,9 +107,10 @@ def prepare(
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
     total_bytes = 0
-    bar = tqdm(desc=f"prepare {source}", unit=" docs", dynamic_ncols=True)
+    docs = documents(source, text_field)
+    bar = tqdm(desc=f"prepare {source}", unit=" docs", dynamic_ncols=True, disable=None)  # off unless a TTY
     with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool:
-        encoded = (e for e in pool.imap(_encode, documents(source, text_field), 16) if e is not None)
+        encoded = (e for e in pool.imap(_encode, docs, 16) if e is not None)
         for index, (name, ids, n_bytes) in enumerate(encoded):
             split = "val" if is_validation(name, index, val_fraction) else "train"
             writers[split].add(ids, n_bytes)
@@ -133,9 +134,7 @@ def prepare(
         "source": source,
         "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot},
         "val_fraction": val_fraction,
-        "splits": {
-            s: {"docs": w.docs, "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()
-        },
+        "splits": {s: {"docs": w.docs, "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()},
         "shards": writers["train"].shards + writers["val"].shards,
     }
     write_manifest(out, manifest)

@@ -51,11 +51,8 @@ def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
             raise GptforgeError(f"{path}: expected UTF-8 text") from None
 
 
-def local_documents(source: str, text_field: str = "text") -> Iterator[Document]:
+def local_documents(root: Path, text_field: str = "text") -> Iterator[Document]:
     """Documents from a file or a folder of .txt/.py/.md/.rst files (one document each) and .jsonl files."""
-    root = Path(source)
-    if not root.exists():
-        raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', a file or a folder)")
     if root.is_file():
         files = [root]
     else:
@@ -68,7 +65,10 @@ def local_documents(source: str, text_field: str = "text") -> Iterator[Document]
 
 
 def documents(source: str, text_field: str = "text") -> Iterator[Document]:
-    """Dispatch a `prepare` SOURCE argument to its reader."""
+    """Dispatch a `prepare` SOURCE argument to its reader; a missing path fails here, before any work starts."""
     if source == "stdlib":
         return stdlib_documents()
-    return local_documents(source, text_field)
+    root = Path(source)
+    if not root.exists():
+        raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', a file or a folder)")
+    return local_documents(root, text_field)

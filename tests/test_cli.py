@@ -1,0 +1,56 @@
+"""The CLI end to end on a tiny config, and its promised one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gptforge.cli import main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "gptforge", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert main(["prepare", str(corpus_dir), "--out", str(data), "--val-fraction", "0.1", "--workers", "1"]) == 0
+    args = ["train", "--config", "tiny", "--data", str(data), "--out", str(run), "--set", "train.max_steps=4"]
+    assert main(args) == 0
+    assert (run / "checkpoints" / "step_000004" / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(data), "--tokens", "256", "--batch-size", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 4 and result["ppl"] > 1
+    assert main(["sample", str(run), "--prompt", "def add", "-n", "2", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- sample") == 2 and "def add" in out
+    assert main(["plot", str(run)]) == 0
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_console_script_runs():
+    proc = subprocess.run([sys.executable, "-m", "gptforge", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "prepare" in proc.stdout and "demo" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,code,message",
+    [
+        (["prepare", "{tmp}/missing", "--out", "{tmp}/o"], 1, "missing: no such file or directory"),
+        (["prepare", "{tmp}/empty", "--out", "{tmp}/o"], 1, "empty corpus"),
+        (["prepare", "stdlib", "--out", "{tmp}/o", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["train", "--data", "{tmp}/missing"], 1, "no manifest.json"),
+        (["train", "--data", "{tmp}", "--set", "optim.nope=1"], 1, "unknown key 'optim.nope'"),
+        (["train", "--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
+        (["sample", "{tmp}/missing"], 1, "not a checkpoint"),
+    ],
+)
+def test_bad_input_gives_one_line_error(tmp_path, args, code, message):
+    (tmp_path / "empty").mkdir()
+    proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == code
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,59 @@
+import sys
+
+import pytest
+
+from gptforge.config import describe, load_config, preset_names, to_toml
+from gptforge.errors import GptforgeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+def test_precedence_defaults_preset_overrides():
+    cfg = load_config("tiny", ["optim.lr=0.5", "train.compile=true", "eval.prompt=x = 1"])
+    assert cfg.model.n_layer == 2  # preset
+    assert cfg.optim.beta2 == 0.95  # default
+    assert cfg.optim.lr == 0.5 and cfg.train.compile is True and cfg.eval.prompt == "x = 1"  # overrides
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optim.lrr=1", "unknown key 'optim.lrr'"),
+        ("nope.lr=1", "unknown config section 'nope'"),
+        ("train.max_steps=ten", "train.max_steps: expected int, got 'ten'"),
+        ("train.compile=maybe", "train.compile: expected bool"),
+        ("optim.lr", "expected section.key=value"),
+    ],
+)
+def test_bad_overrides(override, message):
+    with pytest.raises(GptforgeError, match=message):
+        load_config("tiny", [override])
+
+
+def test_bad_preset_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nmax_steps = 'ten'\n")
+    with pytest.raises(GptforgeError, match=r"bad\.toml: train\.max_steps: expected int, got str"):
+        load_config(str(bad))
+    bad.write_text("[optim]\nlearning_rate = 1\n")
+    with pytest.raises(GptforgeError, match="unknown key 'optim.learning_rate'"):
+        load_config(str(bad))
+    with pytest.raises(GptforgeError, match="unknown preset"):
+        load_config("no-such-preset")
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_round_trips(name, tmp_path):
+    cfg = load_config(name)
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert tomllib.loads(path.read_text())["model"]["n_layer"] == cfg.model.n_layer
+    assert load_config(str(path)) == cfg
+
+
+def test_every_option_is_documented():
+    for line in describe().splitlines()[1::2]:
+        assert line.strip(), "an option without a docstring"

@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+
+from gptforge.data.loader import TokenLoader
+from gptforge.data.shards import write_manifest, write_shard
+from gptforge.errors import GptforgeError
+
+
+def make_data(tmp_path, shard_sizes, vocab=60000):
+    """Shards whose tokens are their global positions, so a window tells where it came from."""
+    shards, start = [], 0
+    for i, n in enumerate(shard_sizes):
+        write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(start, start + n, dtype=np.uint32) % vocab)
+        shards.append({"file": f"train_{i:06d}.bin", "split": "train", "tokens": n})
+        start += n
+    write_manifest(
+        tmp_path,
+        {
+            "tokenizer": {"name": "gpt2", "vocab_size": vocab, "eot": 0},
+            "shards": shards,
+            "splits": {"train": {"docs": 1, "tokens": start, "bytes": start}},
+        },
+    )
+    return tmp_path
+
+
+@pytest.mark.parametrize("B,T,world,sizes", [(2, 8, 1, [50, 37, 100]), (3, 5, 2, [7, 7, 7, 90]), (1, 16, 3, [200])])
+def test_epoch_serves_each_window_once_across_ranks(tmp_path, B, T, world, sizes):
+    make_data(tmp_path, sizes)
+    loaders = [TokenLoader(tmp_path, "train", B, T, rank=r, world_size=world, seed=3) for r in range(world)]
+    seen = []
+    for _ in range(loaders[0].batches_per_epoch):
+        for ld in loaders:
+            x, y = ld.next_batch()
+            assert x.shape == y.shape == (B, T)
+            assert (x[:, 1:] == y[:, :-1]).all() and ((y - x) == 1).all()  # y is x shifted by one
+            seen += [int(row[0]) // T for row in x]
+    n_windows = (sum(sizes) - 1) // T
+    assert len(seen) == len(set(seen)) == loaders[0].batches_per_epoch * B * world
+    assert set(seen) <= set(range(n_windows))
+    assert n_windows - len(seen) < B * world  # only the tail that cannot fill a global batch is skipped
+
+
+def test_resume_yields_the_same_batches(tmp_path):
+    make_data(tmp_path, [64, 64, 64])
+    straight = TokenLoader(tmp_path, "train", 2, 8, seed=1)
+    expected = [straight.next_batch()[0] for _ in range(30)]  # crosses several epochs
+    first = TokenLoader(tmp_path, "train", 2, 8, seed=1)
+    got = [first.next_batch()[0] for _ in range(13)]
+    resumed = TokenLoader(tmp_path, "train", 2, 8, seed=999)
+    resumed.load_state_dict(first.state_dict())
+    got += [resumed.next_batch()[0] for _ in range(17)]
+    for a, b in zip(expected, got, strict=True):
+        assert (a == b).all()
+
+
+def test_epochs_are_reshuffled(tmp_path):
+    make_data(tmp_path, [401])  # 50 windows of 8: ten whole batches of 5, nothing left over
+    ld = TokenLoader(tmp_path, "train", 5, 8, seed=0)
+    epoch0 = [ld.next_batch()[0][:, 0].tolist() for _ in range(ld.batches_per_epoch)]
+    epoch1 = [ld.next_batch()[0][:, 0].tolist() for _ in range(ld.batches_per_epoch)]
+    assert epoch0 != epoch1 and sorted(sum(epoch0, [])) == sorted(sum(epoch1, []))
+
+
+def test_changed_batch_shape_on_resume_is_refused(tmp_path):
+    make_data(tmp_path, [400])
+    state = TokenLoader(tmp_path, "train", 4, 8).state_dict()
+    with pytest.raises(GptforgeError, match="saved with batch 4 x 8 on 1 rank"):
+        TokenLoader(tmp_path, "train", 2, 8).load_state_dict(state)
+
+
+def test_too_little_data(tmp_path):
+    make_data(tmp_path, [20])
+    with pytest.raises(GptforgeError, match="too few for one batch"):
+        TokenLoader(tmp_path, "train", 4, 8)
