@@ -52,3 +52,26 @@ def test_bad_jsonl_line_is_named(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
     with pytest.raises(GptforgeError, match=r"d\.jsonl:2: expected a JSON object with a string field 'text'"):
         prepare(str(tmp_path / "d.jsonl"), tmp_path / "out", workers=1)
+
+
+def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path):
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.config import load_config
+    from gptforge.generate import generate
+    from gptforge.trainer import train
+
+    m = prepare(str(corpus_dir), tmp_path / "data", val_fraction=0.1, workers=1, train_tokenizer=320)
+    assert m["tokenizer"]["name"] == "tokenizer.json" and m["tokenizer"]["vocab_size"] <= 320
+    tok = load_tokenizer("tokenizer.json", tmp_path / "data")
+    train_stream = read_shard(tmp_path / "data" / "train_000000.bin", tok.vocab_size)
+    first_doc = tok.decode(train_stream[1:200].tolist()).split("<|endoftext|>")[0]
+    assert first_doc in {p.read_text() for p in corpus_dir.glob("*.py")}  # decodes back to a source file
+
+    cfg = load_config("tiny", [f"data.path={tmp_path / 'data'}", "train.max_steps=2"])
+    result = train(cfg, tmp_path / "run")
+    assert cfg.model.vocab_size == tok.vocab_size
+    model, ckpt_tok, _, _ = load_checkpoint(result.checkpoint)
+    assert (result.checkpoint / "tokenizer.json").is_file()  # the checkpoint carries its tokenizer
+    assert ckpt_tok.encode("def add_all_1(values):") == tok.encode("def add_all_1(values):")
+    new = generate(model, ckpt_tok.encode("def"), 5, temperature=0)[0]
+    assert all(0 <= t < tok.vocab_size for t in new)

@@ -1,4 +1,7 @@
-from gptforge.tokenizer import load_tokenizer
+import pytest
+
+from gptforge.errors import GptforgeError
+from gptforge.tokenizer import load_tokenizer, train_bpe
 
 
 def test_gpt2_ids_match_openai():
@@ -17,3 +20,22 @@ def test_round_trip_of_code_and_unicode():
 def test_literal_eot_text_is_not_the_eot_token():
     tok = load_tokenizer("gpt2")
     assert tok.eot not in tok.encode("<|endoftext|>")
+
+
+def test_trained_bpe_round_trips_and_keeps_eot_literal(tmp_path):
+    texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "héllo wörld ✓\n"] * 20
+    tok = train_bpe(texts, 300, tmp_path / "tok.json")
+    assert tok.eot == 0 and 257 <= tok.vocab_size <= 300
+    for text in [*texts[:3], "unseen → text\t\r\n"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eot not in tok.encode("<|endoftext|>")
+    again = load_tokenizer("tok.json", tmp_path)
+    assert again.encode(texts[0]) == tok.encode(texts[0]) and again.name == "tok.json"
+
+
+def test_unknown_or_bad_tokenizer(tmp_path):
+    with pytest.raises(GptforgeError, match="unknown tokenizer 'nope'"):
+        load_tokenizer("nope")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(GptforgeError, match=r"bad\.json: not a tokenizer file"):
+        load_tokenizer("bad.json", tmp_path)

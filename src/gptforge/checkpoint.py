@@ -40,6 +40,8 @@ def save_checkpoint(
     save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if tokenizer.path is not None:
+        shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
     meta = {"step": step, "config": to_dict(cfg), "tokenizer": tokenizer.name, **(extra or {})}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     if final.exists():
@@ -83,7 +85,7 @@ def load_checkpoint(
         raise GptforgeError(f"{ckpt / META}: malformed checkpoint metadata ({e})") from None
     model = GPT(cfg.model)
     load_model(model, str(ckpt / "model.safetensors"), device=str(device))
-    return model.to(device).eval(), load_tokenizer(meta["tokenizer"]), cfg, meta
+    return model.to(device).eval(), load_tokenizer(meta["tokenizer"], ckpt), cfg, meta
 
 
 def restore_training_state(

@@ -22,7 +22,14 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from gptforge.data.prepare import prepare
 
     m = prepare(
-        args.source, args.out, args.tokenizer, args.val_fraction, args.shard_tokens, args.workers, args.text_field
+        args.source,
+        args.out,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        text_field=args.text_field,
+        train_tokenizer=args.train_tokenizer,
     )
     for split, s in m["splits"].items():
         print(f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB")
@@ -105,7 +112,8 @@ def build_parser() -> Parser:
     s = sub.add_parser("prepare", help="tokenize a corpus into token shards + manifest.json")
     s.add_argument("source", help="'stdlib' (this interpreter's standard library), a file, or a folder")
     s.add_argument("--out", required=True, help="output folder for shards and manifest.json")
-    s.add_argument("--tokenizer", default="gpt2", help="tokenizer (default: gpt2)")
+    s.add_argument("--tokenizer", default="gpt2", help="'gpt2' (default) or a tokenizer .json file")
+    s.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the corpus")
     s.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     s.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")

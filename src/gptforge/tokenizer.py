@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from importlib import resources
+from pathlib import Path
 
 from gptforge.errors import GptforgeError
 
@@ -14,20 +16,59 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 
 
 class Tokenizer:
-    """A tokenizer with an end-of-text id; `name` is what manifests and checkpoints record to rebuild it."""
+    """A tokenizer with an end-of-text id. `name` is what manifests and checkpoints record to rebuild it:
+    'gpt2', or the file name of a trained BPE (`path` is then that file)."""
 
-    def __init__(self, name: str, encoding) -> None:
-        self.name = name
-        self._enc = encoding
-        self.vocab_size: int = encoding.n_vocab
-        self.eot: int = encoding.eot_token
+    name: str
+    path: Path | None = None
+    vocab_size: int
+    eot: int
 
     def encode(self, text: str) -> list[int]:
-        """Encode text as ordinary text: a literal '<|endoftext|>' in a document is not the EOT token."""
+        """Encode as ordinary text: a literal '<|endoftext|>' in a document is not the EOT token."""
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+
+class GPT2Tokenizer(Tokenizer):
+    def __init__(self) -> None:
+        self.name = "gpt2"
+        self._enc = _gpt2_encoding()
+        self.vocab_size = self._enc.n_vocab
+        self.eot = self._enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
     def decode(self, ids) -> str:
-        return self._enc.decode([int(i) for i in ids if int(i) < self.vocab_size])
+        return self._enc.decode([int(i) for i in ids])
+
+
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE trained on a corpus, stored as a Hugging Face `tokenizers` JSON file."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.name, self.path = path.name, path
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise GptforgeError(f"{path}: not a tokenizer file ({e})") from None
+        self._tok.encode_special_tokens = True  # '<|endoftext|>' in text is text
+        self.vocab_size = self._tok.get_vocab_size()
+        eot = self._tok.token_to_id(EOT_TEXT)
+        if eot is None:
+            raise GptforgeError(f"{path}: tokenizer has no {EOT_TEXT} token")
+        self.eot = eot
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _gpt2_byte_encoder() -> dict[int, str]:
@@ -60,8 +101,34 @@ def _gpt2_encoding():
     )
 
 
-def load_tokenizer(name: str) -> Tokenizer:
-    """Build the tokenizer a manifest or checkpoint names."""
+def load_tokenizer(name: str, base_dir: str | Path | None = None) -> Tokenizer:
+    """'gpt2', or a tokenizer JSON file (relative names resolve against `base_dir`)."""
     if name == "gpt2":
-        return Tokenizer("gpt2", _gpt2_encoding())
-    raise GptforgeError(f"unknown tokenizer {name!r}: expected 'gpt2'")
+        return GPT2Tokenizer()
+    path = Path(base_dir or ".") / name
+    if not path.is_file():
+        raise GptforgeError(f"unknown tokenizer {name!r}: expected 'gpt2' or a tokenizer .json file")
+    return BPETokenizer(path)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
+    """Train a byte-level BPE (GPT-2 pre-tokenization, EOT as id 0) on `texts` and save it atomically."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if not 257 <= vocab_size <= 2**32:
+        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at least 257")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tok.save(str(tmp))
+    tmp.replace(out)
+    return BPETokenizer(out)

@@ -44,7 +44,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
     if not cfg.data.path:
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
     manifest = read_manifest(cfg.data.path)
-    tokenizer = load_tokenizer(manifest["tokenizer"]["name"])
+    tokenizer = load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path)
     cfg.model.vocab_size = tokenizer.vocab_size  # the data decides the vocabulary
     has_val = any(s["split"] == "val" for s in manifest["shards"])
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ from tqdm import tqdm
 from gptforge.data.shards import dtype_for_vocab, write_manifest, write_shard
 from gptforge.data.sources import Document, documents
 from gptforge.errors import GptforgeError
-from gptforge.tokenizer import load_tokenizer
+from gptforge.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
+TOKENIZER_FILE = "tokenizer.json"
 _worker_tokenizer = None
 
 
@@ -68,11 +71,9 @@ def _init_worker(tokenizer_name: str) -> None:
     _worker_tokenizer = load_tokenizer(tokenizer_name)
 
 
-def _encode(doc: Document) -> tuple[str, np.ndarray, int] | None:
+def _encode(doc: Document) -> tuple[str, np.ndarray, int]:
     """EOT first, then the document: every document (the first too) starts after a delimiter."""
     name, text = doc
-    if not text.strip():
-        return None
     tok = _worker_tokenizer
     ids = np.array([tok.eot, *tok.encode(text)], dtype=dtype_for_vocab(tok.vocab_size))
     return name, ids, len(text.encode("utf-8"))
@@ -85,6 +86,29 @@ def is_validation(name: str, index: int, val_fraction: float) -> bool:
     return index == 0 or zlib.crc32(name.encode()) % 1_000_000 < val_fraction * 1_000_000
 
 
+def _nonempty(docs: Iterator[Document]) -> Iterator[Document]:
+    return (d for d in docs if d[1].strip())
+
+
+def _tokenizer_for(
+    source: str, out: Path, tokenizer: str, train_vocab: int | None, val_fraction: float, text_field: str
+) -> Tokenizer:
+    """GPT-2, a given tokenizer file, or a BPE trained on the training split; file-based ones go to OUT."""
+    if train_vocab:
+        train_docs = (
+            text
+            for i, (name, text) in enumerate(_nonempty(documents(source, text_field)))
+            if not is_validation(name, i, val_fraction)
+        )
+        print(f"training a {train_vocab}-token byte-level BPE on {source}", flush=True)
+        return train_bpe(train_docs, train_vocab, out / TOKENIZER_FILE)
+    tok = load_tokenizer(tokenizer)
+    if tok.path is not None and tok.path.resolve() != (out / TOKENIZER_FILE).resolve():
+        shutil.copyfile(tok.path, out / TOKENIZER_FILE)  # the data folder carries its own tokenizer
+        tok = load_tokenizer(TOKENIZER_FILE, out)
+    return tok
+
+
 def prepare(
     source: str,
     out_dir: str | Path,
@@ -93,25 +117,29 @@ def prepare(
     shard_tokens: int = 100_000_000,
     workers: int | None = None,
     text_field: str = "text",
+    train_tokenizer: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenize `source` into `out_dir`; returns the manifest (also written, last, as manifest.json)."""
+    """Tokenize `source` into `out_dir`; returns the manifest (also written, last, as manifest.json).
+
+    `tokenizer` is 'gpt2' or a tokenizer .json file; `train_tokenizer=N` trains an N-token BPE instead.
+    """
     if shard_tokens <= 0:
         raise GptforgeError(f"--shard-tokens must be positive, got {shard_tokens}")
     if not 0 <= val_fraction < 1:
         raise GptforgeError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    tok = load_tokenizer(tokenizer)
+    docs = documents(source, text_field)  # a missing source fails here, before any work
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer_for(source, out, tokenizer, train_tokenizer, val_fraction, text_field)
+    spec = str(tok.path) if tok.path else tok.name
     dtype = dtype_for_vocab(tok.vocab_size)
     writers = {s: ShardWriter(out, s, shard_tokens, dtype) for s in ("train", "val")}
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
     total_bytes = 0
-    docs = documents(source, text_field)
     bar = tqdm(desc=f"prepare {source}", unit=" docs", dynamic_ncols=True, disable=None)  # off unless a TTY
-    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool:
-        encoded = (e for e in pool.imap(_encode, docs, 16) if e is not None)
-        for index, (name, ids, n_bytes) in enumerate(encoded):
+    with mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) as pool:
+        for index, (name, ids, n_bytes) in enumerate(pool.imap(_encode, _nonempty(docs), 16)):
             split = "val" if is_validation(name, index, val_fraction) else "train"
             writers[split].add(ids, n_bytes)
             total_bytes += n_bytes
