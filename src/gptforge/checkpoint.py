@@ -32,8 +32,20 @@ def save_checkpoint(
     tokenizer: Tokenizer,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a complete checkpoint atomically and return its folder."""
-    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    """Write RUN_DIR/checkpoints/step_NNNNNN atomically and return it."""
+    folder = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    return write_checkpoint(folder, model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
+
+
+def write_checkpoint(
+    final: Path,
+    model: GPT,
+    optimizer: torch.optim.Optimizer | None,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    meta: dict[str, Any],
+) -> Path:
+    """Write a complete checkpoint into a temporary folder, then rename it to `final`."""
     tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -42,7 +54,7 @@ def save_checkpoint(
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if tokenizer.path is not None:
         shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
-    meta = {"step": step, "config": to_dict(cfg), "tokenizer": tokenizer.name, **(extra or {})}
+    meta = {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     if final.exists():
         old = final.with_name(f".{final.name}.old.{os.getpid()}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from gptforge import __version__
 from gptforge.allocator import keep_freed_memory
@@ -69,27 +70,53 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    import torch
+    from gptforge.sample import sample_to_terminal
 
-    from gptforge.checkpoint import load_checkpoint
-    from gptforge.generate import generate
-    from gptforge.runtime import resolve_device
-
-    device = resolve_device(args.device)
-    model, tok, _, _ = load_checkpoint(args.checkpoint, device)
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    outs = generate(
-        model,
-        tok.encode(args.prompt),
-        args.max_new_tokens,
-        args.num_samples,
-        args.temperature,
-        args.top_k or None,
-        tok.eot,
-        g,
+    sample_to_terminal(
+        args.checkpoint,
+        args.prompt or [""],
+        num_samples=args.num_samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        seed=args.seed,
+        device=args.device,
+        use_cache=not args.no_cache,
     )
-    for i, new in enumerate(outs):
-        print(f"--- sample {i}\n{args.prompt}{tok.decode(new)}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from gptforge.checkpoint import load_checkpoint, resolve_checkpoint
+    from gptforge.hf import export_hf
+    from gptforge.publish import push_folder
+
+    model, tok, _, meta = load_checkpoint(args.checkpoint)
+    out = export_hf(model, tok, args.out)
+    print(f"wrote {out} (config.json, model.safetensors, tokenizer files)")
+    if args.push:
+        branch = args.branch or resolve_checkpoint(args.checkpoint).parent.parent.name
+        commit = push_folder(out, args.push, branch, args.message or f"step {meta['step']}")
+        print(f"pushed {commit[:12]} to {args.push} branch {branch}")
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from gptforge.checkpoint import write_checkpoint
+    from gptforge.config import Config
+    from gptforge.hf import import_hf
+    from gptforge.tokenizer import load_tokenizer
+
+    model, tokenizer = import_hf(args.hf_dir)
+    tok = load_tokenizer(str(tokenizer))
+    out = write_checkpoint(
+        Path(args.out),
+        model,
+        None,
+        Config(model=model.config),
+        tok,
+        {"step": 0, "tokens": 0, "imported_from": str(args.hf_dir)},
+    )
+    print(f"wrote {out}: {model.num_params():,} parameters, tokenizer {tok.name}")
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -140,14 +167,29 @@ def build_parser() -> Parser:
 
     s = sub.add_parser("sample", help="generate text from a checkpoint")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
-    s.add_argument("--prompt", default="", help="text to continue")
-    s.add_argument("-n", "--num-samples", type=int, default=1)
+    s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
+    s.add_argument("-n", "--num-samples", type=int, default=1, help="samples per prompt")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=50, help="0 = no top-k")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (e.g. 0.95)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--device", default="auto")
     s.set_defaults(func=cmd_sample)
+
+    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel folder")
+    s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
+    s.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer)")
+    s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
+    s.add_argument("--branch", help="branch to push to (default: the run folder's name)")
+    s.add_argument("--message", help="commit message (default: 'step N')")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a gptforge checkpoint")
+    s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
+    s.add_argument("--out", required=True, help="checkpoint folder to write")
+    s.set_defaults(func=cmd_import)
 
     s = sub.add_parser("plot", help="PNG of a run's losses and learning rate")
     s.add_argument("run_dir")

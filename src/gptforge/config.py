@@ -72,6 +72,8 @@ class TrainConfig:
     """auto, float32, bfloat16 or float16: autocast dtype. auto = bf16 on GPUs and on CPUs with native bf16."""
     compile: bool = False
     """torch.compile the model for training (evaluation and sampling keep working)."""
+    init_from: str = ""
+    """Checkpoint whose weights start the run (e.g. from `gptforge import`); its model section replaces ours."""
 
 
 @dataclass
@@ -79,7 +81,7 @@ class EvalConfig:
     every: int = 250
     """Validate every N steps (and at the first and last step); 0: only at the start and the end."""
     tokens: int = 1_048_576
-    """Validation tokens per evaluation (rounded down to whole batches; capped by the split's size)."""
+    """Validation tokens per evaluation: whole batches of windows spread evenly over the split (capped by its size)."""
     prompt: str = "def fibonacci(n):"
     """Prompt for the text sample printed at each evaluation."""
     sample_tokens: int = 64
@@ -90,6 +92,10 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = 5000
     """Save a checkpoint every N steps (0: only at the end); the last step always saves."""
+    push: str = ""
+    """Git repository (e.g. a Hugging Face model repo) that gets each checkpoint, exported, as a commit."""
+    push_branch: str = ""
+    """Branch for `push` (default: the run folder's name): one branch per run."""
 
 
 @dataclass

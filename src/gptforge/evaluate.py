@@ -1,10 +1,11 @@
-"""Validation loss, perplexity and bits per byte over a fixed, ordered slice of the validation split."""
+"""Validation loss, perplexity and bits per byte over a fixed sample of the validation split."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gptforge.data.loader import TokenLoader
@@ -28,14 +29,18 @@ def evaluate_loss(
     dtype: torch.dtype,
     split: str = "val",
 ) -> dict[str, float]:
-    """Mean token loss over the first windows of `split` (the same ones every call), with ppl and bpb."""
+    """Mean token loss with ppl and bpb, over windows spread evenly across `split` (the same every call).
+
+    Spreading matters: a prefix of the split covers a few documents, which can be far easier than the rest.
+    """
     loader = TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
     steps = max(1, min(max_tokens // (batch_size * seq_len), loader.batches_per_epoch))
+    windows = np.linspace(0, loader.n_windows - 1, steps * batch_size).round().astype(np.int64)
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for _ in range(steps):
-        x, y = loader.next_batch()
+    for i in range(steps):
+        x, y = loader.batch(windows[i * batch_size : (i + 1) * batch_size])
         with autocast(device, dtype):
             _, loss = model(x.to(device), y.to(device))
         total += loss.float()

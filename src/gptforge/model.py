@@ -45,6 +45,25 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, per layer, for incremental decoding."""
+
+    def __init__(self, cfg: GPTConfig, batch: int, device: torch.device) -> None:
+        self.shape = (cfg.n_layer, 2, batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.device = device
+        self.kv: torch.Tensor | None = None  # allocated at the first update, in the dtype autocast produces
+        self.pos = 0  # positions filled
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's (B, nh, T, hs) keys/values; return all keys/values up to them."""
+        if self.kv is None:
+            self.kv = torch.zeros(self.shape, device=self.device, dtype=k.dtype)
+        end = self.pos + k.size(2)
+        self.kv[layer, 0, :, :, self.pos : end] = k
+        self.kv[layer, 1, :, :, self.pos : end] = v
+        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -56,14 +75,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            if cache.pos and T > 1:
+                raise ValueError("a KV cache takes one prompt (from position 0), then one token at a time")
+            k, v = cache.update(layer, k, v)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # flash where available
+        # A single new query attends to every cached position, so only a multi-token query needs the mask.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1)  # flash where available
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -87,8 +111,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -135,16 +159,22 @@ class GPT(nn.Module):
         return 6 * matmul_params + 6 * cfg.n_layer * cfg.n_embd * T
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits over the real vocabulary; with targets, also the mean cross-entropy (fp32)."""
+        """Logits over the real vocabulary; with targets, also the mean cross-entropy (fp32).
+
+        Without targets only the last position's logits are computed; a `cache` continues from its position.
+        """
         B, T = idx.shape
-        if self.config.block_size < T:
-            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds model.block_size={self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cache, i)
+        if cache is not None:
+            cache.pos += T
         x = self.transformer.ln_f(x)
         if targets is None:
             # Generation needs only the last position's distribution.

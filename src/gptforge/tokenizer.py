@@ -111,6 +111,13 @@ def load_tokenizer(name: str, base_dir: str | Path | None = None) -> Tokenizer:
     return BPETokenizer(path)
 
 
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Same ids for the same text: same kind, and for trained BPEs the same file contents."""
+    if (a.path is None) != (b.path is None) or a.name != b.name or a.vocab_size != b.vocab_size:
+        return False
+    return a.path is None or a.path.read_bytes() == b.path.read_bytes()
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
     """Train a byte-level BPE (GPT-2 pre-tokenization, EOT as id 0) on `texts` and save it atomically."""
     from tokenizers import Tokenizer as HFTokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gptforge.checkpoint import resolve_checkpoint, restore_training_state, save_checkpoint
+from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, restore_training_state, save_checkpoint
 from gptforge.config import Config, to_toml
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest
@@ -19,12 +19,13 @@ from gptforge.generate import generate
 from gptforge.metrics import MetricsLog, format_duration
 from gptforge.model import GPT
 from gptforge.optim import build_optimizer, cosine_lr
+from gptforge.publish import export_and_push
 from gptforge.runtime import autocast, resolve_device, resolve_dtype, setup_fast_math
-from gptforge.tokenizer import load_tokenizer
+from gptforge.tokenizer import load_tokenizer, same_tokenizer
 
 # A time budget fixes the step count from the pace of steps CALIBRATION_START..CALIBRATION_END
 # (the first steps pay for warm-up: allocator, compilation).
-CALIBRATION_START, CALIBRATION_END = 3, 10
+CALIBRATION_START, CALIBRATION_END = 5, 25
 
 
 @dataclass
@@ -45,6 +46,14 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
     manifest = read_manifest(cfg.data.path)
     tokenizer = load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path)
+    init = load_checkpoint(cfg.train.init_from) if cfg.train.init_from else None
+    if init is not None:
+        if not same_tokenizer(init[1], tokenizer):
+            raise GptforgeError(
+                f"train.init_from={cfg.train.init_from}: its tokenizer ({init[1].name}, {init[1].vocab_size}) "
+                f"differs from the data's ({tokenizer.name}, {tokenizer.vocab_size}); prepare the data with it"
+            )
+        cfg.model = init[2].model
     cfg.model.vocab_size = tokenizer.vocab_size  # the data decides the vocabulary
     has_val = any(s["split"] == "val" for s in manifest["shards"])
 
@@ -61,7 +70,10 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
             f"train.micro_batch x model.block_size = {B} x {T}"
         )
     grad_accum = cfg.train.batch_tokens // (B * T)
-    model = GPT(cfg.model).to(device)
+    model = GPT(cfg.model)
+    if init is not None:
+        model.load_state_dict(init[0].state_dict())
+    model.to(device)
     train_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, device.type)
     loader = TokenLoader(cfg.data.path, "train", B, T, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
@@ -106,15 +118,13 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         return val
 
     def checkpoint(at_step: int) -> Path:
-        return save_checkpoint(
-            run_dir,
-            at_step,
-            model,
-            optimizer,
-            cfg,
-            tokenizer,
-            extra={"tokens": tokens_seen, "max_steps": max_steps, "loader": loader.state_dict()},
-        )
+        extra = {"tokens": tokens_seen, "max_steps": max_steps, "loader": loader.state_dict()}
+        path = save_checkpoint(run_dir, at_step, model, optimizer, cfg, tokenizer, extra)
+        if cfg.checkpoint.push:
+            branch = cfg.checkpoint.push_branch or run_dir.resolve().name
+            commit = export_and_push(model, tokenizer, cfg.checkpoint.push, branch, f"step {at_step}")
+            print(f"pushed step {at_step} to {cfg.checkpoint.push} branch {branch} ({commit[:12]})", flush=True)
+        return path
 
     t_eval = time.perf_counter()
     first_val = evaluate(step) if has_val and step == 0 else None
@@ -171,9 +181,11 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         )
         if step % max(1, cfg.log.every) == 0 or step == max_steps:
             eta = (time.perf_counter() - t_loop) / (step - step_loop) * (max_steps - step)
+            calibrating = cfg.train.time_budget > 0 and step < CALIBRATION_END
             print(
-                f"step {step:>6}/{max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | norm {float(norm):.2f} | "
-                f"{dt * 1000:.0f} ms | {cfg.train.batch_tokens / dt:,.0f} tok/s | ETA {format_duration(eta)}",
+                f"step {step:>6}/{'?' if calibrating else max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                f"norm {float(norm):.2f} | {dt * 1000:.0f} ms | {cfg.train.batch_tokens / dt:,.0f} tok/s | "
+                f"ETA {'calibrating' if calibrating else format_duration(eta)}",
                 flush=True,
             )
         if step < max_steps and has_val and cfg.eval.every and step % cfg.eval.every == 0:

@@ -69,8 +69,11 @@ class TokenLoader:
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._epoch_order()
         first = self.position * self.B * self.world + self.rank * self.B
-        windows = self._order[first : first + self.B]
         self.position += 1
+        return self.batch(self._order[first : first + self.B])
+
+    def batch(self, windows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) for the given window indices; y is x shifted by one token."""
         buf = torch.from_numpy(np.stack([self._window(int(w)) for w in windows]).astype(np.int64))
         return buf[:, :-1], buf[:, 1:]
 
