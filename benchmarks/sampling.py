@@ -24,11 +24,12 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     args = p.parse_args()
     keep_freed_memory()
     device = resolve_device(args.device)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**MODEL_PRESETS[args.preset])).to(device).eval()
+    model = GPT(GPTConfig(**MODEL_PRESETS[args.preset])).to(device, getattr(torch, args.dtype)).eval()
     prompt = torch.randint(0, 50257, (args.prompt_tokens,)).tolist()
     generate(model, prompt, 8, temperature=0)  # warm-up
     rates = {}
@@ -40,7 +41,7 @@ def main() -> None:
         rates[use_cache] = len(out[0]) / (time.perf_counter() - t)
         print(f"{'with' if use_cache else 'without'} KV cache: {rates[use_cache]:8.1f} tokens/s")
     print(
-        f"{args.preset} on {device}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens: "
+        f"{args.preset} ({args.dtype}) on {device}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens: "
         f"cache speed-up {rates[True] / rates[False]:.1f}x"
     )
 
