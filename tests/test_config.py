@@ -57,3 +57,12 @@ def test_every_preset_loads_and_round_trips(name, tmp_path):
 def test_every_option_is_documented():
     for line in describe().splitlines()[1::2]:
         assert line.strip(), "an option without a docstring"
+
+
+def test_model_preset_expands_in_precedence_order():
+    cfg = load_config("tiny", ["model.preset=gpt2-medium"])
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (24, 16, 1024)
+    cfg = load_config("tiny", ["model.preset=gpt2-xl", "model.n_layer=2"])
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (2, 25, 1600)
+    with pytest.raises(GptforgeError, match="model.preset='gpt5'"):
+        load_config("tiny", ["model.preset=gpt5"])

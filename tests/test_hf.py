@@ -182,3 +182,18 @@ def test_init_from_with_another_tokenizer_is_refused(tmp_path, data_dir):
     cfg = load_config("tiny", [f"data.path={data_dir}", f"train.init_from={tmp_path / 'ckpt'}"])
     with pytest.raises(GptforgeError, match="differs from the data's"):
         train(cfg, tmp_path / "run")
+
+
+def test_training_pushes_every_checkpoint(tmp_path, data_dir):
+    from gptforge.config import load_config
+    from gptforge.trainer import train
+
+    remote = tmp_path / "models.git"
+    git("init", "--quiet", "--bare", str(remote))
+    cfg = load_config(
+        "tiny", [f"data.path={data_dir}", "train.max_steps=4", "checkpoint.every=2", f"checkpoint.push={remote}"]
+    )
+    train(cfg, tmp_path / "run-b")
+    assert git("log", "--format=%s", "run-b", cwd=remote).splitlines() == ["step 4", "step 2"]
+    shown = git("show", "run-b:config.json", cwd=remote)
+    assert json.loads(shown)["n_layer"] == 2

@@ -1,7 +1,8 @@
 """Run configuration: nested dataclasses; defaults < TOML preset < `--set section.key=value` overrides.
 
 Unknown sections/keys and wrong types are errors. Each field's docstring is its documentation
-(`gptforge train --help-config` prints them).
+(`gptforge train --help-config` prints them). `model.preset = "gpt2-medium"` (gpt2, gpt2-medium, gpt2-large,
+gpt2-xl) sets n_layer/n_head/n_embd at that point of the precedence order.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
-from gptforge.model import GPTConfig
+from gptforge.model import MODEL_PRESETS, GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -141,6 +142,12 @@ def _section_types(section: Any) -> dict[str, type]:
 
 
 def _set(cfg: Config, dotted: str, value: Any, where: str, parse: bool = False) -> None:
+    if dotted == "model.preset":  # a shorthand for GPT-2's shapes, expanded where it appears
+        if value not in MODEL_PRESETS:
+            raise GptforgeError(f"{where}: model.preset={value!r} (expected one of {sorted(MODEL_PRESETS)})")
+        for key, size in MODEL_PRESETS[value].items():
+            setattr(cfg.model, key, size)
+        return
     section_name, _, key = dotted.partition(".")
     section = getattr(cfg, section_name, None) if section_name in _section_types(cfg) else None
     if section is None:

@@ -78,7 +78,8 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
     optimizer = build_optimizer(model, cfg.optim, device.type)
     loader = TokenLoader(cfg.data.path, "train", B, T, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     print(
-        f"model: {model.num_params():,} parameters, {cfg.model.n_layer} layers, {cfg.model.n_embd} wide, "
+        f"model: {model.num_params():,} parameters, {model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
+        f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, "
         f"context {T}, vocab {cfg.model.vocab_size} ({tokenizer.name}) | {device} {str(dtype)[6:]}"
         f"{' compiled' if cfg.train.compile else ''}\n"
         f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x {grad_accum} accumulation",
