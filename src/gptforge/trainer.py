@@ -46,14 +46,15 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
     manifest = read_manifest(cfg.data.path)
     tokenizer = load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path)
-    init = load_checkpoint(cfg.train.init_from) if cfg.train.init_from else None
-    if init is not None:
-        if not same_tokenizer(init[1], tokenizer):
+    init_model = None
+    if cfg.train.init_from:
+        init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
+        if not same_tokenizer(init_tok, tokenizer):
             raise GptforgeError(
-                f"train.init_from={cfg.train.init_from}: its tokenizer ({init[1].name}, {init[1].vocab_size}) "
+                f"train.init_from={cfg.train.init_from}: its tokenizer ({init_tok.name}, {init_tok.vocab_size}) "
                 f"differs from the data's ({tokenizer.name}, {tokenizer.vocab_size}); prepare the data with it"
             )
-        cfg.model = init[2].model
+        cfg.model = init_cfg.model
     cfg.model.vocab_size = tokenizer.vocab_size  # the data decides the vocabulary
     has_val = any(s["split"] == "val" for s in manifest["shards"])
 
@@ -71,8 +72,8 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         )
     grad_accum = cfg.train.batch_tokens // (B * T)
     model = GPT(cfg.model)
-    if init is not None:
-        model.load_state_dict(init[0].state_dict())
+    if init_model is not None:
+        model.load_state_dict(init_model.state_dict())
     model.to(device)
     train_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, device.type)
