@@ -35,4 +35,4 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
 
     # A second demo reuses the prepared corpus and replaces the earlier run.
     assert main(args + [a for kv in tiny for a in ("--set", kv)]) == 0
-    assert "corpus: reusing" in capsys.readouterr().out
+    assert "already prepared" in capsys.readouterr().out

@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import write_manifest, write_shard
@@ -73,3 +75,40 @@ def test_too_little_data(tmp_path):
     make_data(tmp_path, [20])
     with pytest.raises(GptforgeError, match="too few for one batch"):
         TokenLoader(tmp_path, "train", 4, 8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    B=st.integers(1, 4),
+    T=st.integers(1, 9),
+    world=st.integers(1, 4),
+    sizes=st.lists(st.integers(1, 60), min_size=1, max_size=6),
+    seed=st.integers(0, 3),
+)
+def test_property_every_window_served_once_per_epoch(tmp_path_factory, B, T, world, sizes, seed):
+    total = sum(sizes)
+    assume((total - 1) // T >= B * world)
+    data = make_data(tmp_path_factory.mktemp("p"), sizes)
+    loaders = [TokenLoader(data, "train", B, T, rank=r, world_size=world, seed=seed) for r in range(world)]
+    starts = []
+    for _ in range(loaders[0].batches_per_epoch):
+        for ld in loaders:
+            x, y = ld.next_batch()
+            assert ((y - x) == 1).all()  # windows are contiguous, across shard boundaries too
+            starts += x[:, 0].tolist()
+    n_windows = (total - 1) // T
+    assert len(starts) == len(set(starts)) == (n_windows // (B * world)) * B * world
+    assert all(s % T == 0 and s // T < n_windows for s in starts)
+
+
+def test_build_nanogpt_npy_folder_without_manifest(tmp_path):
+    np.save(tmp_path / "edufineweb_val_000000.npy", np.arange(100, dtype=np.uint16))
+    np.save(tmp_path / "edufineweb_train_000001.npy", np.arange(100, 400, dtype=np.uint16))
+    train = TokenLoader(tmp_path, "train", 2, 10, shuffle=False)
+    x, y = train.next_batch()
+    assert x[0, 0] == 100 and train.n_windows == 29
+    val = TokenLoader(tmp_path, "val", 2, 10, shuffle=False)
+    assert val.next_batch()[0][0, 0] == 0
+    np.save(tmp_path / "edufineweb_train_000002.npy", np.zeros((2, 2), dtype=np.uint16))
+    with pytest.raises(GptforgeError, match=r"000002\.npy: expected a 1-D uint16/uint32 token array"):
+        TokenLoader(tmp_path, "train", 2, 10)

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -75,3 +77,66 @@ def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path):
     assert ckpt_tok.encode("def add_all_1(values):") == tok.encode("def add_all_1(values):")
     new = generate(model, ckpt_tok.encode("def"), 5, temperature=0)[0]
     assert all(0 <= t < tok.vocab_size for t in new)
+
+
+def test_shards_end_at_document_boundaries(data_dir):
+    m = read_manifest(data_dir)
+    for shard in m["shards"]:
+        tokens = read_shard(data_dir / shard["file"])
+        assert tokens[0] == 50256  # every shard starts with a document's EOT
+        assert int((tokens == 50256).sum()) == shard["docs"]
+
+
+def test_second_prepare_is_a_no_op(corpus_dir, data_dir, capsys):
+    again = prepare(str(corpus_dir), data_dir, val_fraction=0.1, shard_tokens=2000, workers=2)
+    assert "already prepared" in capsys.readouterr().out
+    assert again == read_manifest(data_dir)
+
+
+def test_crashed_prepare_resumes_and_skips_finished_shards(corpus_dir, tmp_path, monkeypatch, data_dir):
+    import gptforge.data.prepare as prep
+
+    real = prep.documents
+
+    def crashing(source, field):
+        for i, doc in enumerate(real(source, field)):
+            if i == 40:
+                raise RuntimeError("simulated crash")
+            yield doc
+
+    monkeypatch.setattr(prep, "documents", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    finished = {s["file"]: (tmp_path / s["file"]).stat().st_mtime_ns for s in progress["shards"]}
+    assert finished and not (tmp_path / "manifest.json").exists()
+
+    monkeypatch.setattr(prep, "documents", real)
+    resumed = prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
+    clean = read_manifest(data_dir)
+    assert [(s["file"], s["sha256"]) for s in resumed["shards"]] == [(s["file"], s["sha256"]) for s in clean["shards"]]
+    assert resumed["splits"] == clean["splits"]
+    assert all((tmp_path / f).stat().st_mtime_ns == t for f, t in finished.items())  # not rewritten
+    assert not (tmp_path / "progress.json").exists()
+
+
+def test_decontamination_drops_overlapping_training_documents(corpus_dir, tmp_path):
+    victim = (corpus_dir / "mod_005.py").read_text()
+    words = " ".join(victim.split()[:20])  # a 13-gram (and more) of one training document
+    evals = tmp_path / "hellaswag.jsonl"
+    evals.write_text(
+        json.dumps({"ctx": "Some context.", "endings": [words.upper() + "!!", "other"], "label": 0}) + "\n"
+    )
+    clean = prepare(str(corpus_dir), tmp_path / "clean", val_fraction=0.1, workers=1)
+    dec = prepare(str(corpus_dir), tmp_path / "dec", val_fraction=0.1, workers=1, decontaminate=[str(evals)])
+    assert dec["decontamination"]["dropped_docs"] >= 1
+    assert dec["splits"]["train"]["docs"] == clean["splits"]["train"]["docs"] - dec["decontamination"]["dropped_docs"]
+    tok = load_tokenizer("gpt2")
+
+    def train_text(m, folder):
+        return "".join(
+            tok.decode(read_shard(folder / s["file"]).tolist()) for s in m["shards"] if s["split"] == "train"
+        )
+
+    assert victim in train_text(clean, tmp_path / "clean")
+    assert victim not in train_text(dec, tmp_path / "dec")

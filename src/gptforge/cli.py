@@ -31,6 +31,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         workers=args.workers,
         text_field=args.text_field,
         train_tokenizer=args.train_tokenizer,
+        decontaminate=args.decontaminate,
+        seed=args.seed,
     )
     for split, s in m["splits"].items():
         print(f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB")
@@ -137,14 +139,22 @@ def build_parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     s = sub.add_parser("prepare", help="tokenize a corpus into token shards + manifest.json")
-    s.add_argument("source", help="'stdlib' (this interpreter's standard library), a file, or a folder")
+    s.add_argument("source", help="stdlib, fineweb-edu-10b, codeparrot, hf:NAME[:CONFIG], a file, folder or glob")
     s.add_argument("--out", required=True, help="output folder for shards and manifest.json")
     s.add_argument("--tokenizer", default="gpt2", help="'gpt2' (default) or a tokenizer .json file")
     s.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the corpus")
     s.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     s.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
-    s.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    s.add_argument("--text-field", help="JSONL/parquet/dataset field holding the text (default: text)")
+    s.add_argument(
+        "--decontaminate",
+        nargs="+",
+        default=[],
+        metavar="EVAL_FILE",
+        help="drop training documents sharing a 13-gram with these files (e.g. HellaSwag .jsonl)",
+    )
+    s.add_argument("--seed", type=int, default=0, help="salt for the validation split's hash (default 0)")
     s.set_defaults(func=cmd_prepare)
 
     s = sub.add_parser("train", help="train a GPT on prepared shards")

@@ -12,7 +12,6 @@ import torch
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
-from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.generate import generate
 from gptforge.plot import plot_run
 from gptforge.trainer import train
@@ -24,23 +23,12 @@ VAL_FRACTION = 0.02
 VOCAB_SIZE = 8192
 
 
-def _corpus(data_dir: Path) -> None:
-    """Reuse a stdlib corpus prepared earlier with the same settings; else prepare it."""
-    if (data_dir / MANIFEST).is_file():
-        m = read_manifest(data_dir)
-        same = (m["source"], m["tokenizer"]["name"], m["val_fraction"]) == ("stdlib", "tokenizer.json", VAL_FRACTION)
-        if same and m["tokenizer"]["vocab_size"] == VOCAB_SIZE:
-            print(f"corpus: reusing {data_dir} ({m['splits']['train']['tokens']:,} training tokens)")
-            return
-    prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
-
-
 def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str]) -> dict:
     out_dir, data_dir = Path(out), Path(data)
     cfg = load_config("demo-cpu", [*overrides, f"data.path={data_dir}"])
     if time_budget is not None:
         cfg.train.time_budget = time_budget
-    _corpus(data_dir)
+    prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
     if (out_dir / "config.toml").is_file():
         print(f"demo: replacing the previous demo run in {out_dir}")
         shutil.rmtree(out_dir)

@@ -47,5 +47,6 @@ def evaluate_loss(
     model.train(was_training)
     loss = total.item() / steps
     stats = read_manifest(data_dir)["splits"][split]
-    bits_per_byte = loss / math.log(2) * stats["tokens"] / max(1, stats["bytes"])
+    # bpb = nats/token / ln 2 * tokens/byte; unknown (NaN) for shard folders that did not record bytes.
+    bits_per_byte = loss / math.log(2) * stats["tokens"] / stats["bytes"] if stats["bytes"] else float("nan")
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": steps * batch_size * seq_len}

@@ -55,7 +55,27 @@ def write_shard(path: Path, tokens: np.ndarray) -> str:
 
 
 def read_shard(path: Path, vocab_size: int | None = None) -> np.ndarray:
-    """Memory-map a shard, validating the header against the file size and, if given, ids against the vocab."""
+    """Memory-map a shard, validating the header against the file size and, if given, ids against the vocab.
+
+    `.npy` files (build-nanogpt's shards) are read as saved: one-dimensional uint16 or uint32 arrays.
+    """
+    tokens = _read_npy(path) if path.suffix == ".npy" else _read_bin(path)
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        raise GptforgeError(f"{path}: token id {int(tokens.max())} >= vocab size {vocab_size}")
+    return tokens
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise GptforgeError(f"{path}: not a readable .npy shard ({e})") from None
+    if tokens.ndim != 1 or tokens.dtype not in (np.uint16, np.uint32):
+        raise GptforgeError(f"{path}: expected a 1-D uint16/uint32 token array, got {tokens.dtype} {tokens.shape}")
+    return tokens
+
+
+def _read_bin(path: Path) -> np.ndarray:
     try:
         size = os.path.getsize(path)
         header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS) if size >= HEADER_BYTES else None
@@ -72,21 +92,40 @@ def read_shard(path: Path, vocab_size: int | None = None) -> np.ndarray:
             f"{path}: header says {count} tokens ({HEADER_BYTES + count * itemsize} bytes) "
             f"but the file has {size} bytes (truncated or corrupt)"
         )
-    tokens = np.memmap(path, dtype=TOKEN_DTYPES[version], mode="r", offset=HEADER_BYTES, shape=(count,))
-    if vocab_size is not None and count and int(tokens.max()) >= vocab_size:
-        raise GptforgeError(f"{path}: token id {int(tokens.max())} >= vocab size {vocab_size}")
-    return tokens
+    return np.memmap(path, dtype=TOKEN_DTYPES[version], mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(data_dir / MANIFEST, [json.dumps(manifest, indent=2).encode()])
 
 
+def foreign_manifest(data_dir: Path) -> dict[str, Any] | None:
+    """A manifest for a folder of llm.c `.bin` or build-nanogpt `.npy` GPT-2 shards ('val' in a name marks
+    the validation split), or None if it has none. Without byte counts, bits per byte are unknown."""
+    files = sorted(p for p in data_dir.glob("*") if p.suffix in (".bin", ".npy") and not p.name.startswith("."))
+    if not files:
+        return None
+    shards = [
+        {"file": p.name, "split": "val" if "val" in p.name else "train", "tokens": len(read_shard(p))} for p in files
+    ]
+    splits = {
+        s: {"docs": 0, "bytes": 0, "tokens": sum(x["tokens"] for x in shards if x["split"] == s)}
+        for s in ("train", "val")
+    }
+    gpt2 = {"name": "gpt2", "vocab_size": 50257, "eot": 50256}
+    return {"format": "foreign", "source": str(data_dir), "tokenizer": gpt2, "splits": splits, "shards": shards}
+
+
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """Load a prepared corpus's manifest, with a clear error when the folder is not one."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
-        raise GptforgeError(f"{data_dir}: no {MANIFEST} (expected a folder written by `gptforge prepare`)")
+        foreign = foreign_manifest(Path(data_dir)) if Path(data_dir).is_dir() else None
+        if foreign is not None:
+            return foreign
+        raise GptforgeError(
+            f"{data_dir}: no {MANIFEST} (expected a folder written by `gptforge prepare`, or llm.c/.npy shards)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:

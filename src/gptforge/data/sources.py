@@ -1,29 +1,70 @@
-"""Readers that yield documents as (name, text): the stdlib code corpus, local text/code/jsonl files."""
+"""Readers that yield documents as (name, text): the stdlib code corpus, local files, Hugging Face datasets.
+
+Names are stable (relative to the source) because the validation split is chosen by hashing them.
+"""
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 from gptforge.errors import GptforgeError
 
-TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst"}
+TEXT_KINDS = {".txt", ".py", ".md", ".rst"}
+KINDS = TEXT_KINDS | {".jsonl", ".parquet"}
+# Named sources: (SOURCE, text field). Both stream from the Hugging Face hub.
+PRESETS = {
+    "fineweb-edu-10b": ("hf:HuggingFaceFW/fineweb-edu:sample-10BT", "text"),
+    "codeparrot": ("hf:codeparrot/codeparrot-clean", "content"),
+}
 Document = tuple[str, str]
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def resolve(source: str, text_field: str | None) -> tuple[str, str]:
+    """Expand a named preset; the text field defaults to the preset's, else 'text'."""
+    if source in PRESETS:
+        preset, field = PRESETS[source]
+        return preset, text_field or field
+    return source, text_field or "text"
+
+
+def documents(source: str, text_field: str = "text") -> Iterator[Document]:
+    """Documents of a `prepare` SOURCE; a missing path fails here, before any work starts."""
+    if source == "stdlib":
+        return stdlib_documents()
+    if source.startswith("hf:"):
+        return hf_documents(source[3:], text_field)
+    files = _files(source)
+    return (doc for path, name in files for doc in _file_documents(path, name, text_field))
+
+
+def source_bytes(source: str) -> int | None:
+    """Bytes to read when cheaply known (for a progress ETA): the stdlib and uncompressed local files."""
+    if source == "stdlib":
+        return sum(p.stat().st_size for p in _stdlib_files())
+    if source.startswith("hf:"):
+        return None
+    files = [p for p, _ in _files(source)]
+    return None if any(p.suffix in (".gz", ".parquet") for p in files) else sum(p.stat().st_size for p in files)
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [
+        p for p in sorted(root.rglob("*.py")) if p.relative_to(root).parts[0] not in ("site-packages", "dist-packages")
+    ]
 
 
 def stdlib_documents() -> Iterator[Document]:
     """Every .py file of the running interpreter's standard library (site-packages excluded), sorted."""
-    root = stdlib_root()
-    for path in sorted(root.rglob("*.py")):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in _stdlib_files():
         rel = path.relative_to(root)
-        if rel.parts[0] in ("site-packages", "dist-packages"):
-            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -31,44 +72,93 @@ def stdlib_documents() -> Iterator[Document]:
         yield f"stdlib/{rel.as_posix()}", text
 
 
-def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise GptforgeError(
-                        f"{path}:{lineno}: expected a JSON object with a string field {text_field!r} ({e})"
-                    ) from None
-                yield f"{path}:{lineno}", text
-    else:
-        try:
-            yield str(path), path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise GptforgeError(f"{path}: expected UTF-8 text") from None
+def _kind(path: Path) -> str:
+    """The format suffix, looking through .gz: 'a.jsonl.gz' -> '.jsonl'."""
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
 
 
-def local_documents(root: Path, text_field: str = "text") -> Iterator[Document]:
-    """Documents from a file or a folder of .txt/.py/.md/.rst files (one document each) and .jsonl files."""
-    if root.is_file():
-        files = [root]
-    else:
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | {".jsonl"})
-    for path in files:
-        try:
-            yield from _file_documents(path, text_field)
-        except PermissionError:
-            raise GptforgeError(f"{path}: not readable (permission denied)") from None
-
-
-def documents(source: str, text_field: str = "text") -> Iterator[Document]:
-    """Dispatch a `prepare` SOURCE argument to its reader; a missing path fails here, before any work starts."""
-    if source == "stdlib":
-        return stdlib_documents()
+def _files(source: str) -> list[tuple[Path, str]]:
+    """(path, stable name) of the files a path, folder or glob names, sorted."""
+    if glob.has_magic(source):
+        paths = sorted(Path(p) for p in glob.glob(source, recursive=True))
+        files = [(p, p.as_posix()) for p in paths if p.is_file() and _kind(p) in KINDS]
+        if not files:
+            raise GptforgeError(f"{source}: no files match (expected {', '.join(sorted(KINDS))}, optionally .gz)")
+        return files
     root = Path(source)
-    if not root.exists():
-        raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', a file or a folder)")
-    return local_documents(root, text_field)
+    if root.is_file():
+        return [(root, root.name)]
+    if root.is_dir():
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and _kind(p) in KINDS)
+        return [(p, p.relative_to(root).as_posix()) for p in paths]
+    raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
+
+
+def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
+    kind = _kind(path)
+    try:
+        if kind == ".parquet":
+            yield from _parquet_documents(path, name, text_field)
+            return
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            if kind != ".jsonl":
+                yield name, f.read()
+                return
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{name}:{lineno}", _json_text(line, text_field, f"{path}:{lineno}")
+    except UnicodeDecodeError:
+        raise GptforgeError(f"{path}: expected UTF-8 text") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error):
+        raise GptforgeError(f"{path}: corrupt or truncated gzip file") from None
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _json_text(line: str, text_field: str, where: str) -> str:
+    try:
+        text = json.loads(line)[text_field]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r} ({e})") from None
+    if not isinstance(text, str):
+        raise GptforgeError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
+    return text
+
+
+def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
+    """Rows of one column, read a batch at a time (bounded memory)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise GptforgeError(f"{path}: reading parquet needs pyarrow (pip install 'gptforge[hf]')") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends
+        raise GptforgeError(f"{path}: not a readable parquet file ({e})") from None
+    if text_field not in parquet.schema_arrow.names:
+        raise GptforgeError(
+            f"{path}: no column {text_field!r} (columns: {parquet.schema_arrow.names}; see --text-field)"
+        )
+    row = 0
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield f"{name}:{row}", text or ""
+            row += 1
+
+
+def hf_documents(spec: str, text_field: str) -> Iterator[Document]:
+    """`NAME[:CONFIG]` from the Hugging Face hub (or a local dataset folder), streamed: nothing is downloaded whole."""
+    try:
+        import datasets
+    except ImportError:
+        raise GptforgeError("hf: sources need the datasets library (pip install 'gptforge[hf]')") from None
+    name, _, config = spec.partition(":")
+    try:
+        stream = datasets.load_dataset(name, config or None, split="train", streaming=True)
+    except Exception as e:  # datasets raises many types (offline, missing config, unknown dataset)
+        raise GptforgeError(f"hf:{spec}: cannot open the dataset ({type(e).__name__}: {e})") from None
+    for i, row in enumerate(stream):
+        if text_field not in row:
+            raise GptforgeError(f"hf:{spec}: no field {text_field!r} (fields: {sorted(row)}; see --text-field)")
+        yield f"{name}:{i}", row[text_field] or ""

@@ -1,0 +1,79 @@
+"""Corpus readers: every source kind, stable names, and a clear error for each bad input."""
+
+import gzip
+import json
+
+import pytest
+
+from gptforge.data.sources import documents, resolve
+from gptforge.errors import GptforgeError
+
+
+def test_text_jsonl_gzip_and_parquet_files(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("plain text")
+    with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("gzipped text")
+    with gzip.open(tmp_path / "sub" / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"content": "line one"}) + "\n\n" + json.dumps({"content": "line two"}) + "\n")
+    pq.write_table(pa.table({"content": ["row zero", "row one"]}), tmp_path / "sub" / "d.parquet")
+    (tmp_path / "ignored.bin").write_bytes(b"\0\1")
+    docs = list(documents(str(tmp_path), "content"))
+    assert docs == [
+        ("a.txt", "plain text"),
+        ("b.txt.gz", "gzipped text"),
+        ("sub/c.jsonl.gz:1", "line one"),
+        ("sub/c.jsonl.gz:3", "line two"),
+        ("sub/d.parquet:0", "row zero"),
+        ("sub/d.parquet:1", "row one"),
+    ]
+    assert [n for n, _ in documents(str(tmp_path / "sub" / "*.parquet"), "content")] == [
+        f"{tmp_path.as_posix()}/sub/d.parquet:0",
+        f"{tmp_path.as_posix()}/sub/d.parquet:1",
+    ]
+
+
+def test_hf_dataset_streams_from_a_local_folder(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    datasets.Dataset.from_dict({"content": ["def a(): pass", "x = 1"]}).to_parquet(
+        tmp_path / "ds" / "data" / "train-00000-of-00001.parquet"
+    )
+    docs = list(documents(f"hf:{tmp_path / 'ds'}", "content"))
+    assert [t for _, t in docs] == ["def a(): pass", "x = 1"]
+    with pytest.raises(GptforgeError, match="no field 'text'"):
+        list(documents(f"hf:{tmp_path / 'ds'}", "text"))
+
+
+def test_presets_name_the_public_datasets():
+    assert resolve("fineweb-edu-10b", None) == ("hf:HuggingFaceFW/fineweb-edu:sample-10BT", "text")
+    assert resolve("codeparrot", None) == ("hf:codeparrot/codeparrot-clean", "content")
+    assert resolve("codeparrot", "text") == ("hf:codeparrot/codeparrot-clean", "text")
+    assert resolve("corpus/", None) == ("corpus/", "text")
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("bad.txt", b"\xff\xfe not utf-8 \xc3", r"bad\.txt: expected UTF-8 text"),
+        ("bad.jsonl.gz", b"this is not gzip", r"bad\.jsonl\.gz: corrupt or truncated gzip"),
+        ("bad.jsonl", b'{"text": 3}\n', r"bad\.jsonl:1: field 'text' is int, expected a string"),
+        ("bad.parquet", b"PAR1 nonsense", r"bad\.parquet: not a readable parquet file"),
+    ],
+)
+def test_bad_files_are_named(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(GptforgeError, match=message):
+        list(documents(str(tmp_path / name), "text"))
+
+
+def test_missing_sources(tmp_path):
+    with pytest.raises(GptforgeError, match="no such file or directory"):
+        documents(str(tmp_path / "nope"), "text")
+    with pytest.raises(GptforgeError, match="no files match"):
+        documents(str(tmp_path / "*.jsonl"), "text")
