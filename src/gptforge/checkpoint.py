@@ -1,21 +1,25 @@
-"""Checkpoints: RUN_DIR/checkpoints/step_NNNNNN/{model.safetensors, optimizer.pt, meta.json}.
+"""Checkpoints: RUN_DIR/checkpoints/step_NNNNNN/{model.safetensors, optimizer.pt, meta.json, rng_rankR.pt}.
 
 Written into a temporary folder and renamed into place, so a crash mid-write never leaves a partial
-checkpoint where `latest_checkpoint` would find it.
+checkpoint where `latest_checkpoint` would find it. Rank 0 writes the shared state; every rank adds its
+own RNG state (for multi-node runs the run folder must be on a shared filesystem).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
 from gptforge.config import Config, config_from_dict, to_dict
+from gptforge.distributed import SINGLE, DistEnv, barrier
 from gptforge.errors import GptforgeError
 from gptforge.model import GPT
 from gptforge.tokenizer import Tokenizer, load_tokenizer
@@ -31,10 +35,20 @@ def save_checkpoint(
     cfg: Config,
     tokenizer: Tokenizer,
     extra: dict[str, Any] | None = None,
+    env: DistEnv = SINGLE,
 ) -> Path:
-    """Write RUN_DIR/checkpoints/step_NNNNNN atomically and return it."""
-    folder = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-    return write_checkpoint(folder, model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
+    """Write RUN_DIR/checkpoints/step_NNNNNN atomically (every rank calls this) and return it."""
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    if env.is_main:
+        _write_files(tmp, model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
+    barrier(env)
+    torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
+    barrier(env)
+    if env.is_main:
+        _publish(tmp, final)
+    barrier(env)
+    return final
 
 
 def write_checkpoint(
@@ -45,9 +59,17 @@ def write_checkpoint(
     tokenizer: Tokenizer,
     meta: dict[str, Any],
 ) -> Path:
-    """Write a complete checkpoint into a temporary folder, then rename it to `final`."""
-    tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write a complete single-process checkpoint (e.g. an import) into `final`, atomically."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    _write_files(tmp, model, optimizer, cfg, tokenizer, meta)
+    _publish(tmp, final)
+    return final
+
+
+def _write_files(
+    tmp: Path, model: GPT, optimizer: torch.optim.Optimizer | None, cfg: Config, tokenizer: Tokenizer, meta: dict
+) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash
     tmp.mkdir(parents=True)
     save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
     if optimizer is not None:
@@ -56,14 +78,51 @@ def write_checkpoint(
         shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
     meta = {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name}
     (tmp / META).write_text(json.dumps(meta, indent=2))
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished folder into place; meta.json inside marks it complete."""
     if final.exists():
-        old = final.with_name(f".{final.name}.old.{os.getpid()}")
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    return final
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int, milestone_every: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints, sparing steps that are multiples of milestone_every."""
+    ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / META).is_file())
+    doomed = [
+        p
+        for p in ckpts[: max(0, len(ckpts) - keep_last)]
+        if not (milestone_every and int(p.name[5:]) % milestone_every == 0)
+    ]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from (dropout uses torch's), in a weights_only-loadable form."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -101,9 +160,14 @@ def load_checkpoint(
 
 
 def restore_training_state(
-    ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, device: torch.device
+    ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, device: torch.device, env: DistEnv = SINGLE
 ) -> dict[str, Any]:
-    """Load weights and optimizer state into a freshly built model/optimizer; returns the checkpoint's meta."""
+    """Load weights, optimizer and this rank's RNG state into a fresh model/optimizer; returns the meta."""
     load_model(model, str(ckpt / "model.safetensors"), device=str(device))
     optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device, weights_only=True))
+    rng = ckpt / f"rng_rank{env.rank}.pt"
+    if rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=True))
+    else:
+        warnings.warn(f"{rng} is missing: resuming with fresh random state (dropout will differ)", stacklevel=2)
     return json.loads((ckpt / META).read_text())

@@ -52,7 +52,11 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 disables)."""
+    """Clip the global gradient norm to this (0 disables); the pre-clip norm is logged."""
+    schedule: str = "cosine"
+    """cosine (warm-up, cosine decay to min), wsd (warm-up, stable, linear decay to min), or constant."""
+    decay_fraction: float = 0.2
+    """For wsd: the share of the steps spent decaying at the end."""
 
 
 @dataclass
@@ -73,6 +77,10 @@ class TrainConfig:
     """auto, float32, bfloat16 or float16: autocast dtype. auto = bf16 on GPUs and on CPUs with native bf16."""
     compile: bool = False
     """torch.compile the model for training (evaluation and sampling keep working)."""
+    max_skips: int = 10
+    """Stop after this many steps in a row with a non-finite loss or gradient (each is skipped, not applied)."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU (0: from the GPU table, or a matmul probe on CPU)."""
     init_from: str = ""
     """Checkpoint whose weights start the run (e.g. from `gptforge import`); its model section replaces ours."""
 
@@ -93,6 +101,10 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = 5000
     """Save a checkpoint every N steps (0: only at the end); the last step always saves."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (0: keep all)."""
+    milestone_every: int = 0
+    """Never delete checkpoints whose step is a multiple of this (0: no milestones)."""
     push: str = ""
     """Git repository (e.g. a Hugging Face model repo) that gets each checkpoint, exported, as a commit."""
     push_branch: str = ""
@@ -103,6 +115,10 @@ class CheckpointConfig:
 class LogConfig:
     every: int = 1
     """Print a console line every N steps (every step is written to metrics.jsonl)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (needs `pip install tensorboard`)."""
+    wandb: str = ""
+    """Also log to this W&B project (WANDB_MODE=offline works without a network; needs `pip install wandb`)."""
 
 
 @dataclass

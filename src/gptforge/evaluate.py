@@ -10,6 +10,7 @@ import torch
 
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest
+from gptforge.distributed import SINGLE, DistEnv, all_reduce_sum
 from gptforge.model import GPT
 from gptforge.runtime import autocast
 
@@ -28,25 +29,30 @@ def evaluate_loss(
     device: torch.device,
     dtype: torch.dtype,
     split: str = "val",
+    env: DistEnv = SINGLE,
 ) -> dict[str, float]:
     """Mean token loss with ppl and bpb, over windows spread evenly across `split` (the same every call).
 
     Spreading matters: a prefix of the split covers a few documents, which can be far easier than the rest.
+    Ranks score disjoint shares of the same windows, so the result does not depend on the world size.
     """
     loader = TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
     steps = max(1, min(max_tokens // (batch_size * seq_len), loader.batches_per_epoch))
     windows = np.linspace(0, loader.n_windows - 1, steps * batch_size).round().astype(np.int64)
+    mine = windows[env.rank :: env.world_size]
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=device)
-    for i in range(steps):
-        x, y = loader.batch(windows[i * batch_size : (i + 1) * batch_size])
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of token losses, tokens)
+    for i in range(0, len(mine), batch_size):
+        x, y = loader.batch(mine[i : i + batch_size])
         with autocast(device, dtype):
             _, loss = model(x.to(device), y.to(device))
-        total += loss.float()
+        sums[0] += loss.double() * y.numel()
+        sums[1] += y.numel()
     model.train(was_training)
-    loss = total.item() / steps
+    all_reduce_sum(sums, env)
+    loss = (sums[0] / sums[1]).item()
     stats = read_manifest(data_dir)["splits"][split]
     # bpb = nats/token / ln 2 * tokens/byte; unknown (NaN) for shard folders that did not record bytes.
     bits_per_byte = loss / math.log(2) * stats["tokens"] / stats["bytes"] if stats["bytes"] else float("nan")
-    return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": steps * batch_size * seq_len}
+    return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": int(sums[1].item())}

@@ -8,6 +8,7 @@ import math
 import torch
 
 from gptforge.config import OptimConfig
+from gptforge.errors import GptforgeError
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
@@ -31,3 +32,29 @@ def cosine_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_st
         return min_lr
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+def wsd_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float) -> float:
+    """Warm-up, stable at max_lr, then linear decay to min_lr over the last `decay_fraction` of the steps."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    decay_start = max_steps - int(decay_fraction * max_steps)
+    if step < decay_start:
+        return max_lr
+    progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+    return max_lr + progress * (min_lr - max_lr)
+
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """The learning rate of `step` under the configured schedule."""
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        return cosine_lr(step, cfg.lr, min_lr, cfg.warmup_steps, max_steps)
+    if cfg.schedule == "wsd":
+        return wsd_lr(step, cfg.lr, min_lr, cfg.warmup_steps, max_steps, cfg.decay_fraction)
+    if cfg.schedule == "constant":
+        return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    raise GptforgeError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")

@@ -1,24 +1,37 @@
-"""The training loop: GPT-3 recipe (AdamW, warm-up + cosine, accumulation, clipping), eval, checkpoints, logs."""
+"""The training loop: GPT-3 recipe (AdamW, warm-up + cosine, accumulation, clipping), eval, checkpoints, logs.
+
+One process, or one per device under torchrun (DDP: gradients sync on the last micro-step only). Every rank
+runs this same loop; only rank 0 prints, logs and writes checkpoints (each rank adds its RNG state).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, restore_training_state, save_checkpoint
-from gptforge.config import Config, to_toml
+from gptforge import distributed
+from gptforge.checkpoint import (
+    load_checkpoint,
+    prune_checkpoints,
+    resolve_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+)
+from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 from gptforge.evaluate import evaluate_loss
 from gptforge.generate import generate
-from gptforge.metrics import MetricsLog, format_duration
+from gptforge.metrics import MetricsLog, NullLog, format_duration, peak_flops
 from gptforge.model import GPT
-from gptforge.optim import build_optimizer, cosine_lr
+from gptforge.optim import build_optimizer, lr_at
 from gptforge.publish import export_and_push
 from gptforge.runtime import autocast, resolve_device, resolve_dtype, setup_fast_math
 from gptforge.tokenizer import load_tokenizer, same_tokenizer
@@ -39,9 +52,42 @@ class TrainResult:
     last_val: dict[str, float] | None
 
 
+class StopSignal:
+    """SIGTERM/SIGINT request a checkpoint and a clean exit at the end of the current step."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> StopSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainResult:
+    """Train with `cfg` into RUN_DIR; under torchrun each process calls this."""
+    env, device_name = distributed.init(cfg.train.device)
+    try:
+        with StopSignal() as stop:
+            return _train(cfg, Path(run_dir), resume, env, resolve_device(device_name), stop)
+    finally:
+        distributed.cleanup()
+
+
+def _train(
+    cfg: Config, run_dir: Path, resume: str | None, env: distributed.DistEnv, device: torch.device, stop: StopSignal
+) -> TrainResult:
     t_start = time.perf_counter()
-    run_dir = Path(run_dir)
+    print0 = print if env.is_main else (lambda *a, **k: None)
     if not cfg.data.path:
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
     manifest = read_manifest(cfg.data.path)
@@ -57,62 +103,73 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         cfg.model = init_cfg.model
     cfg.model.vocab_size = tokenizer.vocab_size  # the data decides the vocabulary
     has_val = any(s["split"] == "val" for s in manifest["shards"])
+    lr_at(0, cfg.optim, 1)  # an unknown schedule fails now, not after the first evaluation
 
-    device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.train.dtype, device)
     setup_fast_math(device)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
 
-    # Global batch in tokens; accumulation makes up what one micro-batch does not hold.
-    B, T = cfg.train.micro_batch, cfg.model.block_size
-    if B <= 0 or cfg.train.batch_tokens % (B * T):
+    # Global batch in tokens; accumulation makes up what the ranks' micro-batches do not hold.
+    B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
+    if B <= 0 or cfg.train.batch_tokens % (B * T * world):
         raise GptforgeError(
             f"train.batch_tokens={cfg.train.batch_tokens} must be a positive multiple of "
-            f"train.micro_batch x model.block_size = {B} x {T}"
+            f"train.micro_batch x model.block_size x processes = {B} x {T} x {world}"
         )
-    grad_accum = cfg.train.batch_tokens // (B * T)
+    grad_accum = cfg.train.batch_tokens // (B * T * world)
     model = GPT(cfg.model)
     if init_model is not None:
         model.load_state_dict(init_model.state_dict())
     model.to(device)
-    train_model = torch.compile(model) if cfg.train.compile else model
+    train_model = distributed.wrap(torch.compile(model) if cfg.train.compile else model, env, device)
     optimizer = build_optimizer(model, cfg.optim, device.type)
-    loader = TokenLoader(cfg.data.path, "train", B, T, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    print(
+    loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
+    flops_per_step = model.flops_per_token(T) * cfg.train.batch_tokens
+    peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
+    print0(
         f"model: {model.num_params():,} parameters, {model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
-        f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, "
-        f"context {T}, vocab {cfg.model.vocab_size} ({tokenizer.name}) | {device} {str(dtype)[6:]}"
-        f"{' compiled' if cfg.train.compile else ''}\n"
-        f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x {grad_accum} accumulation",
+        f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, context {T}, vocab {cfg.model.vocab_size} "
+        f"({tokenizer.name}) | {world} x {device} {str(dtype)[6:]}{' compiled' if cfg.train.compile else ''}\n"
+        f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x {world} processes x "
+        f"{grad_accum} accumulation | MFU against {peak / 1e12:,.1f} TFLOP/s ({peak_source})",
         flush=True,
     )
 
-    step, tokens_seen, max_steps = 0, 0, cfg.train.max_steps
+    step, tokens_seen, max_steps, skipped_total, last_good = 0, 0, cfg.train.max_steps, 0, None
     if resume:
-        ckpt = resolve_checkpoint(run_dir if resume == "auto" else resume)
-        meta = restore_training_state(ckpt, model, optimizer, device)
+        ckpt = last_good = resolve_checkpoint(run_dir if resume == "auto" else resume)
+        meta = restore_training_state(ckpt, model, optimizer, device, env)
         loader.load_state_dict(meta["loader"])
         step, tokens_seen, max_steps = meta["step"], meta["tokens"], meta["max_steps"]
-        print(f"resumed from {ckpt} at step {step}", flush=True)
+        skipped_total = meta.get("skipped_steps", 0)
+        print0(f"resumed from {ckpt} at step {step}", flush=True)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    samples_path = run_dir / "samples.jsonl"
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        metrics = MetricsLog(run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg))
+    else:
+        metrics = NullLog()
 
     def evaluate(at_step: int) -> dict[str, float]:
         t = time.perf_counter()
-        val = evaluate_loss(model, cfg.data.path, B, T, cfg.eval.tokens, device, dtype)
+        val = evaluate_loss(model, cfg.data.path, B, T, cfg.eval.tokens, device, dtype, env=env)
         metrics.write("val", at_step, **val)
-        if cfg.eval.sample_tokens > 0:
-            g = torch.Generator(device=device).manual_seed(cfg.train.seed + at_step)
-            prompt = tokenizer.encode(cfg.eval.prompt)
+        if cfg.eval.sample_tokens > 0 and env.is_main:
+            g = torch.Generator(device=device).manual_seed(cfg.train.seed + at_step)  # training RNG untouched
             with autocast(device, dtype):
-                new = generate(model, prompt, cfg.eval.sample_tokens, top_k=50, eot=tokenizer.eot, generator=g)
-            text = cfg.eval.prompt + tokenizer.decode(new[0])
-            with open(samples_path, "a", encoding="utf-8") as f:
+                new = generate(
+                    model,
+                    tokenizer.encode(cfg.eval.prompt),
+                    cfg.eval.sample_tokens,
+                    top_k=50,
+                    eot=tokenizer.eot,
+                    generator=g,
+                )
+            with open(run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
+                text = cfg.eval.prompt + tokenizer.decode(new[0])
                 f.write(json.dumps({"step": at_step, "prompt": cfg.eval.prompt, "text": text}) + "\n")
-        print(
+        print0(
             f"step {at_step:>6} | val loss {val['loss']:.4f} | ppl {val['ppl']:.2f} | bpb {val['bpb']:.3f} | "
             f"{time.perf_counter() - t:.1f}s",
             flush=True,
@@ -120,46 +177,68 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         return val
 
     def checkpoint(at_step: int) -> Path:
-        extra = {"tokens": tokens_seen, "max_steps": max_steps, "loader": loader.state_dict()}
-        path = save_checkpoint(run_dir, at_step, model, optimizer, cfg, tokenizer, extra)
-        if cfg.checkpoint.push:
+        extra = {
+            "tokens": tokens_seen,
+            "max_steps": max_steps,
+            "loader": loader.state_dict(),
+            "skipped_steps": skipped_total,
+        }
+        path = save_checkpoint(run_dir, at_step, model, optimizer, cfg, tokenizer, extra, env)
+        if env.is_main and cfg.checkpoint.keep_last:
+            prune_checkpoints(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every)
+        if env.is_main and cfg.checkpoint.push:
             branch = cfg.checkpoint.push_branch or run_dir.resolve().name
             commit = export_and_push(model, tokenizer, cfg.checkpoint.push, branch, f"step {at_step}")
-            print(f"pushed step {at_step} to {cfg.checkpoint.push} branch {branch} ({commit[:12]})", flush=True)
+            print0(f"pushed step {at_step} to {cfg.checkpoint.push} branch {branch} ({commit[:12]})", flush=True)
         return path
 
     t_eval = time.perf_counter()
     first_val = evaluate(step) if has_val and step == 0 else None
     eval_seconds = time.perf_counter() - t_eval
     last_val = first_val
-    min_lr = cfg.optim.lr * cfg.optim.min_lr_ratio
-    t_calibrate = None
+    t_calibrate, skipped_in_row = None, 0
     t_loop, step_loop = time.perf_counter(), step
     model.train()
     while step < max_steps:
         t0 = time.perf_counter()
-        lr = cosine_lr(step, cfg.optim.lr, min_lr, cfg.optim.warmup_steps, max_steps)
+        lr = lr_at(step, cfg.optim, max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_accum = torch.zeros((), device=device)
-        for _ in range(grad_accum):
+        for micro in range(grad_accum):
             x, y = loader.next_batch()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast(device, dtype):
-                _, loss = train_model(x, y)
-            # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
-            loss = loss / grad_accum
-            loss_accum += loss.detach()
-            loss.backward()
+            # DDP all-reduces gradients in backward; only the last micro-step needs it.
+            last_micro = micro == grad_accum - 1
+            with contextlib.nullcontext() if last_micro or not env.distributed else train_model.no_sync():
+                with autocast(device, dtype):
+                    _, loss = train_model(x, y)
+                    # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
+                    loss = loss / grad_accum
+                loss_accum += loss.detach()
+                loss.backward()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
+        distributed.all_reduce_mean(loss_accum, env)
+        finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss_accum))  # the one host sync per step
+        if finite:
+            optimizer.step()
+            skipped_in_row = 0
+        else:
+            skipped_total, skipped_in_row = skipped_total + 1, skipped_in_row + 1
         optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += cfg.train.batch_tokens
-        loss_value = loss_accum.item()  # the one host sync per step, for logging
+        loss_value = loss_accum.item()
         dt = time.perf_counter() - t0
         elapsed = time.perf_counter() - t_start
+        if skipped_in_row:
+            print0(f"step {step}: non-finite loss or gradient ({loss_value}, norm {float(norm)}): update skipped")
+            if skipped_in_row >= cfg.train.max_skips:
+                raise GptforgeError(
+                    f"{skipped_in_row} steps in a row with a non-finite loss or gradient, the last at step {step}; "
+                    f"last good checkpoint: {last_good or 'none yet'} (lower optim.lr or check the data)"
+                )
 
         if cfg.train.time_budget > 0 and step == CALIBRATION_START:
             t_calibrate = time.perf_counter()
@@ -168,9 +247,10 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
             if cfg.eval.every and has_val:
                 per_step += eval_seconds / cfg.eval.every
             left = cfg.train.time_budget - elapsed - eval_seconds
-            max_steps = max(step, min(max_steps, step + int(left / per_step)))
-            print(f"time budget {cfg.train.time_budget:.0f}s: {per_step:.2f}s/step -> {max_steps} steps", flush=True)
+            max_steps = distributed.broadcast_int(max(step, min(max_steps, step + int(left / per_step))), env, device)
+            print0(f"time budget {cfg.train.time_budget:.0f}s: {per_step:.2f}s/step -> {max_steps} steps", flush=True)
 
+        mfu = flops_per_step / dt / world / peak if peak else 0.0
         metrics.write(
             "train",
             step,
@@ -180,28 +260,36 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
             ms=dt * 1000,
             tokens=tokens_seen,
             tokens_per_s=cfg.train.batch_tokens / dt,
+            mfu=mfu,
+            skipped=skipped_total,
         )
         if step % max(1, cfg.log.every) == 0 or step == max_steps:
             eta = (time.perf_counter() - t_loop) / (step - step_loop) * (max_steps - step)
             calibrating = cfg.train.time_budget > 0 and step < CALIBRATION_END
-            print(
+            print0(
                 f"step {step:>6}/{'?' if calibrating else max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
                 f"norm {float(norm):.2f} | {dt * 1000:.0f} ms | {cfg.train.batch_tokens / dt:,.0f} tok/s | "
-                f"ETA {'calibrating' if calibrating else format_duration(eta)}",
+                f"MFU {mfu:.1%} | ETA {'calibrating' if calibrating else format_duration(eta)}",
                 flush=True,
             )
         if step < max_steps and has_val and cfg.eval.every and step % cfg.eval.every == 0:
             last_val = evaluate(step)
         if step < max_steps and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            checkpoint(step)
-        if cfg.train.time_budget > 0 and elapsed > cfg.train.time_budget and step < max_steps:
-            print(f"time budget of {cfg.train.time_budget:.0f}s spent: stopping at step {step}", flush=True)
-            max_steps = step
+            last_good = checkpoint(step)
+        # Every rank must leave the loop at the same step: rank 0's clock decides the budget, any rank's signal stops.
+        out_of_time = cfg.train.time_budget > 0 and elapsed > cfg.train.time_budget and env.is_main
+        votes = torch.tensor([stop.received is not None, out_of_time], dtype=torch.long, device=device)
+        if env.distributed:
+            distributed.all_reduce_sum(votes, env)
+        if step < max_steps and votes.any():
+            why = "a stop signal" if votes[0] else f"the time budget of {cfg.train.time_budget:.0f}s"
+            print0(f"stopping at step {step} on {why}: saving a checkpoint", flush=True)
+            break
 
     if has_val:
         last_val = evaluate(step)
-    last_ckpt = checkpoint(step)
+    last_good = checkpoint(step)
     metrics.close()
     seconds = time.perf_counter() - t_start
-    print(f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(seconds)}; saved {last_ckpt}", flush=True)
-    return TrainResult(run_dir, last_ckpt, step, tokens_seen, seconds, first_val, last_val)
+    print0(f"done: {step} steps, {tokens_seen:,} tokens in {format_duration(seconds)}; saved {last_good}", flush=True)
+    return TrainResult(run_dir, last_good, step, tokens_seen, seconds, first_val, last_val)
