@@ -83,6 +83,30 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(data_dir,
         round(r["loss"], 5) for r in val_one if r["kind"] == "val"
     ]  # evaluation sharded over ranks gives the single-process number
 
+    # ZeRO: the same run with AdamW's state sharded over the two processes.
+    zero = subprocess.run(
+        [
+            *launcher,
+            "gptforge",
+            "train",
+            *map(str, common),
+            "--out",
+            str(tmp_path / "zero"),
+            "--set",
+            "train.batch_tokens=512",
+            "--set",
+            "train.zero=true",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert zero.returncode == 0, zero.stderr[-3000:]
+    z = train_losses(tmp_path / "zero")
+    assert all(abs(a[s] - z[s]) <= 1e-5 for s in a)
+    state = torch.load(latest_checkpoint(tmp_path / "zero") / "optimizer.pt", weights_only=True)
+    assert len(state["state"]) == len(list(weights(tmp_path / "zero"))) - 1  # every parameter (tied once)
+
 
 @pytest.mark.slow
 def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path):
@@ -251,3 +275,61 @@ def test_checkpoint_holds_rng_state(tmp_path):
 
     set_rng_state(state)
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_and_keeps_eval_and_sampling(data_dir, tmp_path):
+    base = [f"data.path={data_dir}", "train.max_steps=3"]
+    eager = train(load_config("tiny", base), tmp_path / "eager")
+    compiled = train(load_config("tiny", [*base, "train.compile=true"]), tmp_path / "compiled")
+    a, b = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert all(abs(a[s] - b[s]) < 1e-4 for s in a)
+    assert compiled.last_val["loss"] == pytest.approx(eager.last_val["loss"], abs=1e-4)
+    assert len((tmp_path / "compiled" / "samples.jsonl").read_text().splitlines()) == 2
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from gptforge.model import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=16))
+    x = torch.randint(0, 100, (2, 16))
+    grads = []
+    for flag in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = flag
+        model(x, x)[1].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1)
+
+
+def test_batch_ramp_grows_the_step(data_dir, tmp_path):
+    cfg = load_config(
+        "tiny",
+        [
+            f"data.path={data_dir}",
+            "train.max_steps=5",
+            "train.batch_tokens=512",
+            "train.batch_ramp_tokens=600",
+            "eval.every=0",
+        ],
+    )
+    result = train(cfg, tmp_path / "r")
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    tokens = [r["tokens"] for r in records if r["kind"] == "train"]
+    # 128 tokens per micro-batch, up to 4: ceil(4 * (seen + 1) / 600) micro-batches per step.
+    assert tokens == [128, 256, 512, 1024, 1536] and result.tokens == 1536  # 1, 1, 2, 4, 4 micro-batches
+
+
+def test_tensorboard_and_offline_wandb_sinks(data_dir, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(
+        "tiny", [f"data.path={data_dir}", "train.max_steps=2", "log.tensorboard=true", "log.wandb=gptforge-test"]
+    )
+    train(cfg, tmp_path / "r")
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))

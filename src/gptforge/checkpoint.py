@@ -40,6 +40,8 @@ def save_checkpoint(
     """Write RUN_DIR/checkpoints/step_NNNNNN atomically (every rank calls this) and return it."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(f".{final.name}.tmp")
+    if hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
     if env.is_main:
         _write_files(tmp, model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
     barrier(env)

@@ -77,6 +77,13 @@ class TrainConfig:
     """auto, float32, bfloat16 or float16: autocast dtype. auto = bf16 on GPUs and on CPUs with native bf16."""
     compile: bool = False
     """torch.compile the model for training (evaluation and sampling keep working)."""
+    zero: bool = False
+    """Shard AdamW's state across processes (ZeroRedundancyOptimizer) for models whose optimizer does not fit."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute."""
+    batch_ramp_tokens: int = 0
+    """GPT-3's batch ramp: grow the batch linearly from one micro-batch per process to batch_tokens over this
+    many tokens (0: full batch from the start)."""
     max_skips: int = 10
     """Stop after this many steps in a row with a non-finite loss or gradient (each is skipped, not applied)."""
     peak_flops: float = 0.0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -131,6 +132,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input/output embedding
+        self.activation_checkpointing = False  # recompute blocks in backward (set by the trainer)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), since each block adds two of them.
         for name, p in self.named_parameters():
@@ -172,7 +174,10 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache, i)
         if cache is not None:
             cache.pos += T
         x = self.transformer.ln_f(x)

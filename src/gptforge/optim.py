@@ -11,17 +11,23 @@ from gptforge.config import OptimConfig
 from gptforge.errors import GptforgeError
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
-    """Weight decay on >=2-D weights (matmuls, embeddings) only; fused AdamW on CUDA."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, device_type: str, zero: bool = False
+) -> torch.optim.Optimizer:
+    """Weight decay on >=2-D weights (matmuls, embeddings) only; fused AdamW on CUDA; `zero` shards its state
+    across the processes of the (initialized) process group."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **({"fused": True} if fused else {})
-    )
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **({"fused": True} if fused else {})}
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def cosine_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:

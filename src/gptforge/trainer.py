@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -121,10 +122,12 @@ def _train(
     if init_model is not None:
         model.load_state_dict(init_model.state_dict())
     model.to(device)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
     train_model = distributed.wrap(torch.compile(model) if cfg.train.compile else model, env, device)
-    optimizer = build_optimizer(model, cfg.optim, device.type)
+    optimizer = build_optimizer(model, cfg.optim, device.type, zero=cfg.train.zero and env.distributed)
+    # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16 and device.type == "cuda")
     loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
-    flops_per_step = model.flops_per_token(T) * cfg.train.batch_tokens
     peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
     print0(
         f"model: {model.num_params():,} parameters, {model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
@@ -142,6 +145,8 @@ def _train(
         loader.load_state_dict(meta["loader"])
         step, tokens_seen, max_steps = meta["step"], meta["tokens"], meta["max_steps"]
         skipped_total = meta.get("skipped_steps", 0)
+        if meta.get("scaler"):
+            scaler.load_state_dict(meta["scaler"])
         print0(f"resumed from {ckpt} at step {step}", flush=True)
 
     if env.is_main:
@@ -182,6 +187,7 @@ def _train(
             "max_steps": max_steps,
             "loader": loader.state_dict(),
             "skipped_steps": skipped_total,
+            "scaler": scaler.state_dict(),
         }
         path = save_checkpoint(run_dir, at_step, model, optimizer, cfg, tokenizer, extra, env)
         if env.is_main and cfg.checkpoint.keep_last:
@@ -191,6 +197,10 @@ def _train(
             commit = export_and_push(model, tokenizer, cfg.checkpoint.push, branch, f"step {at_step}")
             print0(f"pushed step {at_step} to {cfg.checkpoint.push} branch {branch} ({commit[:12]})", flush=True)
         return path
+
+    def ramp_accum(tokens: int) -> int:
+        """GPT-3's batch ramp: micro-steps grow linearly with the tokens seen, from 1 to grad_accum."""
+        return max(1, min(grad_accum, math.ceil(grad_accum * (tokens + 1) / cfg.train.batch_ramp_tokens)))
 
     t_eval = time.perf_counter()
     first_val = evaluate(step) if has_val and step == 0 else None
@@ -204,31 +214,35 @@ def _train(
         lr = lr_at(step, cfg.optim, max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        accum = ramp_accum(tokens_seen) if cfg.train.batch_ramp_tokens else grad_accum
         loss_accum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
+        for micro in range(accum):
             x, y = loader.next_batch()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP all-reduces gradients in backward; only the last micro-step needs it.
-            last_micro = micro == grad_accum - 1
+            last_micro = micro == accum - 1
             with contextlib.nullcontext() if last_micro or not env.distributed else train_model.no_sync():
                 with autocast(device, dtype):
                     _, loss = train_model(x, y)
                     # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
-                    loss = loss / grad_accum
+                    loss = loss / accum
                 loss_accum += loss.detach()
-                loss.backward()
+                scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
         distributed.all_reduce_mean(loss_accum, env)
         finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss_accum))  # the one host sync per step
         if finite:
-            optimizer.step()
+            scaler.step(optimizer)
             skipped_in_row = 0
         else:
             skipped_total, skipped_in_row = skipped_total + 1, skipped_in_row + 1
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        tokens_seen += cfg.train.batch_tokens
+        step_tokens = accum * B * T * world
+        tokens_seen += step_tokens
         loss_value = loss_accum.item()
         dt = time.perf_counter() - t0
         elapsed = time.perf_counter() - t_start
@@ -250,7 +264,7 @@ def _train(
             max_steps = distributed.broadcast_int(max(step, min(max_steps, step + int(left / per_step))), env, device)
             print0(f"time budget {cfg.train.time_budget:.0f}s: {per_step:.2f}s/step -> {max_steps} steps", flush=True)
 
-        mfu = flops_per_step / dt / world / peak if peak else 0.0
+        mfu = model.flops_per_token(T) * step_tokens / dt / world / peak if peak else 0.0
         metrics.write(
             "train",
             step,
@@ -259,7 +273,7 @@ def _train(
             grad_norm=float(norm),
             ms=dt * 1000,
             tokens=tokens_seen,
-            tokens_per_s=cfg.train.batch_tokens / dt,
+            tokens_per_s=step_tokens / dt,
             mfu=mfu,
             skipped=skipped_total,
         )
@@ -268,7 +282,7 @@ def _train(
             calibrating = cfg.train.time_budget > 0 and step < CALIBRATION_END
             print0(
                 f"step {step:>6}/{'?' if calibrating else max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
-                f"norm {float(norm):.2f} | {dt * 1000:.0f} ms | {cfg.train.batch_tokens / dt:,.0f} tok/s | "
+                f"norm {float(norm):.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
                 f"MFU {mfu:.1%} | ETA {'calibrating' if calibrating else format_duration(eta)}",
                 flush=True,
             )
