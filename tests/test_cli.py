@@ -20,9 +20,27 @@ def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
     assert main(args) == 0
     assert (run / "checkpoints" / "step_000004" / "model.safetensors").is_file()
     capsys.readouterr()
-    assert main(["eval", str(run), "--data", str(data), "--tokens", "256", "--batch-size", "2", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["step"] == 4 and result["ppl"] > 1
+    hellaswag = tmp_path / "hellaswag.jsonl"
+    hellaswag.write_text(json.dumps({"ctx": "def add", "endings": ["(a, b):", "x", "y", "z"], "label": 0}) + "\n")
+    args = [
+        "eval",
+        str(run),
+        "--data",
+        str(data),
+        "--text",
+        str(corpus_dir / "mod_001.py"),
+        "--hellaswag",
+        str(hellaswag),
+        "--tokens",
+        "256",
+        "--batch-size",
+        "2",
+        "--json",
+    ]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 4 and result["val"]["ppl"] > 1 and result["val"]["tokens"] == 256
+    assert result["text"]["bpb"] > 0 and result["hellaswag"]["n"] == 1
     assert main(["sample", str(run), "--prompt", "def add", "-n", "2", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- sample") == 2 and "def add" in out

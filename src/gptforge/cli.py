@@ -53,21 +53,25 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from gptforge.checkpoint import load_checkpoint
-    from gptforge.evaluate import evaluate_loss
-    from gptforge.runtime import resolve_device, resolve_dtype
+    from gptforge.evaluate import evaluate_checkpoint
 
-    device = resolve_device(args.device)
-    model, _, cfg, meta = load_checkpoint(args.checkpoint, device)
-    dtype = resolve_dtype(cfg.train.dtype, device)
-    result = evaluate_loss(model, args.data, args.batch_size, cfg.model.block_size, args.tokens, device, dtype)
-    result["step"] = meta["step"]
+    result = evaluate_checkpoint(
+        args.checkpoint, args.data, args.text, args.hellaswag, args.limit, args.tokens, args.batch_size, args.device
+    )
     if args.json:
         print(json.dumps(result))
-    else:
+        return
+    for name in ("val", "text"):
+        if name in result:
+            r = result[name]
+            print(
+                f"step {result['step']} {name}: loss {r['loss']:.4f} | ppl {r['ppl']:.2f} | bpb {r['bpb']:.3f} "
+                f"over {r['tokens']:,} tokens"
+            )
+    if "hellaswag" in result:
+        h = result["hellaswag"]
         print(
-            f"step {meta['step']}: val loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | bpb {result['bpb']:.3f} "
-            f"over {result['tokens']:,} tokens"
+            f"step {result['step']} hellaswag: acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} over {h['n']} examples"
         )
 
 
@@ -166,10 +170,13 @@ def build_parser() -> Parser:
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=cmd_train)
 
-    s = sub.add_parser("eval", help="validation loss / perplexity of a checkpoint")
+    s = sub.add_parser("eval", help="val loss / perplexity / bits per byte, loss on any text, HellaSwag")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
-    s.add_argument("--data", required=True, help="prepared data folder with a val split")
-    s.add_argument("--tokens", type=int, default=1_048_576, help="validation tokens (default 1M)")
+    s.add_argument("--data", help="prepared data folder: loss on its val split")
+    s.add_argument("--text", help="a text/code file, folder or glob: loss on it, with the checkpoint's tokenizer")
+    s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
+    s.add_argument("--limit", type=int, default=0, help="HellaSwag examples (default: all)")
+    s.add_argument("--tokens", type=int, default=1_048_576, help="tokens per loss evaluation (default 1M)")
     s.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     s.add_argument("--device", default="auto")
     s.add_argument("--json", action="store_true", help="print one JSON object")

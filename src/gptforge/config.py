@@ -98,6 +98,10 @@ class EvalConfig:
     """Validate every N steps (and at the first and last step); 0: only at the start and the end."""
     tokens: int = 1_048_576
     """Validation tokens per evaluation: whole batches of windows spread evenly over the split (capped by its size)."""
+    hellaswag: str = ""
+    """HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag) scored at every evaluation (empty: none)."""
+    hellaswag_limit: int = 0
+    """HellaSwag examples per evaluation (0: all 10,042)."""
     prompt: str = "def fibonacci(n):"
     """Prompt for the text sample printed at each evaluation."""
     sample_tokens: int = 64

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,6 +13,7 @@ import torch
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest
 from gptforge.distributed import SINGLE, DistEnv, all_reduce_sum
+from gptforge.errors import GptforgeError
 from gptforge.model import GPT
 from gptforge.runtime import autocast
 
@@ -56,3 +59,38 @@ def evaluate_loss(
     # bpb = nats/token / ln 2 * tokens/byte; unknown (NaN) for shard folders that did not record bytes.
     bits_per_byte = loss / math.log(2) * stats["tokens"] / stats["bytes"] if stats["bytes"] else float("nan")
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": int(sums[1].item())}
+
+
+def evaluate_checkpoint(
+    checkpoint: str,
+    data: str | None = None,
+    text: str | None = None,
+    hellaswag: str | None = None,
+    limit: int = 0,
+    max_tokens: int = 1_048_576,
+    batch_size: int = 8,
+    device_name: str = "auto",
+) -> dict[str, Any]:
+    """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, and HellaSwag."""
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.data.prepare import prepare
+    from gptforge.hellaswag import evaluate_hellaswag, read_examples
+    from gptforge.runtime import resolve_device, resolve_dtype
+
+    if not (data or text or hellaswag):
+        raise GptforgeError("nothing to evaluate: pass --data DIR, --text PATH and/or --hellaswag FILE")
+    device = resolve_device(device_name)
+    model, tok, cfg, meta = load_checkpoint(checkpoint, device)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    T = cfg.model.block_size
+    result: dict[str, Any] = {"step": meta["step"]}
+    if data:
+        result["val"] = evaluate_loss(model, data, batch_size, T, max_tokens, device, dtype)
+    if text:
+        with tempfile.TemporaryDirectory(prefix="gptforge-eval-") as tmp:
+            # The checkpoint's own tokenizer, every document scored (no held-out split).
+            prepare(text, tmp, tokenizer=str(tok.path or tok.name), val_fraction=0.0, workers=1)
+            result["text"] = evaluate_loss(model, tmp, batch_size, T, max_tokens, device, dtype, split="train")
+    if hellaswag:
+        result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
+    return result

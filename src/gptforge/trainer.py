@@ -30,6 +30,7 @@ from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 from gptforge.evaluate import evaluate_loss
 from gptforge.generate import generate
+from gptforge.hellaswag import evaluate_hellaswag, read_examples
 from gptforge.metrics import MetricsLog, NullLog, format_duration, peak_flops
 from gptforge.model import GPT
 from gptforge.optim import build_optimizer, lr_at
@@ -156,10 +157,16 @@ def _train(
     else:
         metrics = NullLog()
 
+    hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
+
     def evaluate(at_step: int) -> dict[str, float]:
         t = time.perf_counter()
         val = evaluate_loss(model, cfg.data.path, B, T, cfg.eval.tokens, device, dtype, env=env)
         metrics.write("val", at_step, **val)
+        if hellaswag:
+            hs = evaluate_hellaswag(model, tokenizer, hellaswag, device, dtype, env)
+            metrics.write("hellaswag", at_step, **hs)
+            print0(f"step {at_step:>6} | hellaswag acc_norm {hs['acc_norm']:.4f} | acc {hs['acc']:.4f} | n {hs['n']}")
         if cfg.eval.sample_tokens > 0 and env.is_main:
             g = torch.Generator(device=device).manual_seed(cfg.train.seed + at_step)  # training RNG untouched
             with autocast(device, dtype):
@@ -174,6 +181,7 @@ def _train(
             with open(run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
                 text = cfg.eval.prompt + tokenizer.decode(new[0])
                 f.write(json.dumps({"step": at_step, "prompt": cfg.eval.prompt, "text": text}) + "\n")
+            print0(f"step {at_step:>6} | sample: {text!r}")
         print0(
             f"step {at_step:>6} | val loss {val['loss']:.4f} | ppl {val['ppl']:.2f} | bpb {val['bpb']:.3f} | "
             f"{time.perf_counter() - t:.1f}s",
