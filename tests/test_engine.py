@@ -70,7 +70,7 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(data_dir,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 processes x 2 accumulation" in two.stdout and "1 processes x 4 accumulation" in one.stdout
+    assert "2 processes x 2 accumulation" in two.stdout and "1 process x 4 accumulation" in one.stdout
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert a.keys() == b.keys() == set(range(1, 7))
     for step in a:

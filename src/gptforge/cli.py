@@ -126,9 +126,17 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from gptforge.plot import plot_run
+    from gptforge.plot import plot_runs
 
-    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    print(f"wrote {plot_runs(args.run_dirs, args.out)[0]}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from gptforge.report import run_report
+
+    text = run_report(args.run_dir)
+    (Path(args.run_dir) / "report.md").write_text(text)
+    print(text, end="")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -208,10 +216,14 @@ def build_parser() -> Parser:
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     s.set_defaults(func=cmd_import)
 
-    s = sub.add_parser("plot", help="PNG of a run's losses and learning rate")
-    s.add_argument("run_dir")
-    s.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png)")
+    s = sub.add_parser("plot", help="PNG of runs' loss, bpb, HellaSwag, lr, grad norm, tokens/s (overlaid)")
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    s.add_argument("--out", help="PNG path (default: the first RUN_DIR/loss.png)")
     s.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser("report", help="markdown summary of a run (printed and written to RUN_DIR/report.md)")
+    s.add_argument("run_dir")
+    s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")

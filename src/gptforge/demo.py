@@ -13,7 +13,7 @@ from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
 from gptforge.generate import generate
-from gptforge.plot import plot_run
+from gptforge.plot import plot_runs
 from gptforge.trainer import train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
@@ -51,7 +51,7 @@ def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str
         completions.append(prompt + tok.decode(new))
         print(f"--- {prompt.splitlines()[0]}\n{completions[-1]}\n")
 
-    plot = plot_run(out_dir)
+    plot, _ = plot_runs([out_dir])
     summary = {
         "before": before,
         "after": after,
