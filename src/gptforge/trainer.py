@@ -134,8 +134,9 @@ def _train(
         f"model: {model.num_params():,} parameters, {model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
         f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, context {T}, vocab {cfg.model.vocab_size} "
         f"({tokenizer.name}) | {world} x {device} {str(dtype)[6:]}{' compiled' if cfg.train.compile else ''}\n"
-        f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x {world} process{'es' if world > 1 else ''} x "
-        f"{grad_accum} accumulation | MFU against {peak / 1e12:,.1f} TFLOP/s ({peak_source})",
+        f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
+        f"{world} process{'es' if world > 1 else ''} x {grad_accum} accumulation | "
+        f"MFU against {peak / 1e12:,.1f} TFLOP/s ({peak_source})",
         flush=True,
     )
 
