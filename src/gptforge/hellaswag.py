@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gptforge.data.sources import open_text
 from gptforge.distributed import SINGLE, DistEnv, all_reduce_sum
 from gptforge.errors import GptforgeError
 from gptforge.model import GPT
@@ -36,9 +36,8 @@ def read_examples(source: str, limit: int = 0) -> list[dict[str, Any]]:
         examples = ({"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])} for r in rows)
     else:
         path = Path(source)
-        opener = gzip.open if path.suffix == ".gz" else open
         try:
-            with opener(path, "rt", encoding="utf-8") as f:
+            with open_text(path) as f:
                 lines = [line for line in f if line.strip()]
         except OSError as e:
             raise GptforgeError(f"--hellaswag {source}: cannot read ({e.strerror or e})") from None

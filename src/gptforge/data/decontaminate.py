@@ -7,13 +7,13 @@ and with a negligible false-positive rate at millions of n-grams.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from gptforge.data.sources import open_text
 from gptforge.errors import GptforgeError
 
 N = 13
@@ -40,9 +40,8 @@ def _strings(value) -> Iterator[str]:
 
 
 def _eval_texts(path: Path) -> Iterator[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with open_text(path) as f:
             if Path(path.stem if path.suffix == ".gz" else path.name).suffix != ".jsonl":
                 yield f.read()
                 return

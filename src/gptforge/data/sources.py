@@ -12,6 +12,7 @@ import sysconfig
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from gptforge.errors import GptforgeError
 
@@ -72,6 +73,12 @@ def stdlib_documents() -> Iterator[Document]:
         yield f"stdlib/{rel.as_posix()}", text
 
 
+def open_text(path: str | Path) -> TextIO:
+    """A UTF-8 text file, gunzipped on the fly when it ends in .gz."""
+    path = Path(path)
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
 def _kind(path: Path) -> str:
     """The format suffix, looking through .gz: 'a.jsonl.gz' -> '.jsonl'."""
     return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
@@ -100,8 +107,7 @@ def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document
         if kind == ".parquet":
             yield from _parquet_documents(path, name, text_field)
             return
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
+        with open_text(path) as f:
             if kind != ".jsonl":
                 yield name, f.read()
                 return
