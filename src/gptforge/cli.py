@@ -141,6 +141,40 @@ def cmd_import(args: argparse.Namespace) -> None:
     print(f"wrote {out}: {model.num_params():,} parameters, tokenizer {tok.name}")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from gptforge.bench import run_bench
+    from gptforge.config import load_config
+
+    r = run_bench(load_config(args.config, args.set), args.steps, args.warmup, reference=not args.no_reference)
+    if args.json:
+        print(json.dumps(r))
+        return
+    s = r["settings"]
+    print(
+        f"{args.config}: {s['params']:,} params, {s['micro_batch']} x {s['seq_len']} x {s['accumulation']} "
+        f"accumulation, vocab {s['vocab_size']} | {s['device']} {s['dtype']}{' compiled' if s['compile'] else ''}"
+        f" | MFU against {s['peak_tflops']:.2f} TFLOP/s ({s['peak_source']})"
+    )
+    o = r["ours"]
+    print(
+        f"gptforge : {o['tokens_per_s']:10,.0f} tokens/s  {o['ms']:8.1f} ms/step  MFU {o['mfu']:6.1%}  "
+        f"peak memory {r['ours_peak_memory_mb']:,.0f} MB"
+    )
+    if "reference" in r:
+        ref = r["reference"]
+        print(
+            f"reference: {ref['tokens_per_s']:10,.0f} tokens/s  {ref['ms']:8.1f} ms/step  MFU {ref['mfu']:6.1%}  "
+            f"({ref['what']})"
+        )
+        print(f"speed-up : {r['speedup']:.2f}x")
+    sm = r["sampling"]
+    print(
+        f"sampling : {sm['with_cache']:,.1f} tokens/s with the KV cache, {sm['without_cache']:,.1f} without "
+        f"({sm['new_tokens']} new tokens, batch 1)"
+    )
+    print(f"tokenize : {r['tokenization_mb_s']:.1f} MB/s GPT-2 BPE, one core")
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from gptforge.plot import plot_runs
 
@@ -240,6 +274,15 @@ def build_parser() -> Parser:
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     s.add_argument("--out", help="PNG path (default: the first RUN_DIR/loss.png)")
     s.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")
+    s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
+    s.add_argument("--steps", type=int, default=10, help="timed optimizer steps (median reported; default 10)")
+    s.add_argument("--warmup", type=int, default=3, help="untimed steps first (and compilation; default 3)")
+    s.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("report", help="markdown summary of a run (printed and written to RUN_DIR/report.md)")
     s.add_argument("run_dir")

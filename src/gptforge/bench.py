@@ -1,0 +1,176 @@
+"""`gptforge bench`: time our training step against a reference run in the same process.
+
+The reference is Hugging Face `transformers`' GPT2LMHeadModel of the same shape, batch and optimizer, in fp32
+eager mode: what a user would get without gptforge. Warm-up (and compilation) steps are excluded; figures are
+medians over the timed steps. Also: sampling tokens/s with and without the KV cache, and tokenization MB/s.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gptforge.config import Config
+from gptforge.data.sources import stdlib_documents
+from gptforge.generate import generate
+from gptforge.metrics import peak_flops
+from gptforge.model import GPT
+from gptforge.optim import build_optimizer
+from gptforge.runtime import autocast, resolve_device, resolve_dtype, setup_fast_math
+from gptforge.tokenizer import load_tokenizer
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step().item()  # the loss, as the trainer's one host sync per step
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
+
+
+def _train_step(loss_of, model, optimizer, batches, accum, device, dtype, clip) -> Callable[[], torch.Tensor]:
+    """One optimizer step as the trainer takes it: accumulation, clipping, AdamW; `loss_of(x, y)` runs the model."""
+
+    def step() -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for x, y in batches[:accum]:
+            with autocast(device, dtype):
+                loss = loss_of(x, y) / accum
+            total += loss.detach()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = True) -> dict[str, Any]:
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    setup_fast_math(device)
+    torch.manual_seed(cfg.train.seed)
+    B, T, V = cfg.train.micro_batch, cfg.model.block_size, cfg.model.vocab_size
+    accum = max(1, cfg.train.batch_tokens // (B * T))
+    batch_tokens = accum * B * T
+    batches = [
+        (torch.randint(0, V, (B, T), device=device), torch.randint(0, V, (B, T), device=device)) for _ in range(accum)
+    ]
+    peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
+    model = GPT(cfg.model).to(device)
+    flops = model.flops_per_token(T) * batch_tokens
+    train_model = torch.compile(model) if cfg.train.compile else model
+    optimizer = build_optimizer(model, cfg.optim, device.type)
+    step = _train_step(
+        lambda x, y: train_model(x, y)[1], model, optimizer, batches, accum, device, dtype, cfg.optim.grad_clip
+    )
+    ours = _time_steps(step, device, warmup, steps)
+    result: dict[str, Any] = {
+        "settings": {
+            "device": str(device),
+            "dtype": str(dtype)[6:],
+            "compile": cfg.train.compile,
+            "micro_batch": B,
+            "seq_len": T,
+            "accumulation": accum,
+            "vocab_size": V,
+            "params": model.num_params(),
+            "peak_tflops": peak / 1e12,
+            "peak_source": peak_source,
+        },
+        "ours": _figures(ours, batch_tokens, flops, peak),
+        "ours_peak_memory_mb": _peak_memory_mb(device),
+    }
+    if reference:
+        result["reference"] = _reference(cfg, batches, accum, device, warmup, steps, batch_tokens, flops, peak)
+        result["speedup"] = result["reference"]["ms"] / result["ours"]["ms"]
+    result["sampling"] = _sampling(model, device, dtype)
+    result["tokenization_mb_s"] = _tokenization()
+    return result
+
+
+def _figures(times: list[float], batch_tokens: int, flops: float, peak: float) -> dict[str, float]:
+    median = statistics.median(times)
+    return {"ms": median * 1000, "tokens_per_s": batch_tokens / median, "mfu": flops / median / peak if peak else 0.0}
+
+
+def _reference(cfg, batches, accum, device, warmup, steps, batch_tokens, flops, peak) -> dict[str, Any]:
+    import transformers
+
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=cfg.model.vocab_size,
+        n_positions=cfg.model.block_size,
+        n_embd=cfg.model.n_embd,
+        n_layer=cfg.model.n_layer,
+        n_head=cfg.model.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,  # GPT2Config defaults to 50256, outside smaller vocabularies
+        eos_token_id=None,
+    )
+    model = transformers.GPT2LMHeadModel(hf_cfg).to(device).train()
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
+    step = _train_step(
+        lambda x, y: model(x, labels=y).loss, model, optimizer, batches, accum, device, torch.float32, o.grad_clip
+    )
+    times = _time_steps(step, device, warmup, steps)
+    return {
+        **_figures(times, batch_tokens, flops, peak),
+        "what": f"transformers {transformers.__version__} GPT2LMHeadModel, fp32 eager, torch AdamW",
+    }
+
+
+def _sampling(model: GPT, device: torch.device, dtype: torch.dtype, new_tokens: int = 64) -> dict[str, float]:
+    model.eval()
+    prompt = list(range(16))
+    rates = {}
+    for name, cache in (("with_cache", True), ("without_cache", False)):
+        with autocast(device, dtype):
+            generate(model, prompt, 4, temperature=0, use_cache=cache)  # warm-up
+            t = time.perf_counter()
+            out = generate(model, prompt, new_tokens, temperature=0, use_cache=cache)
+            _sync(device)
+        rates[name] = len(out[0]) / (time.perf_counter() - t)
+    model.train()
+    return {**rates, "new_tokens": new_tokens}
+
+
+def _tokenization(mb: float = 4.0) -> float:
+    """GPT-2 BPE MB/s on one core, over the first `mb` MB of this interpreter's stdlib."""
+    texts, size = [], 0
+    for _, text in stdlib_documents():
+        texts.append(text)
+        size += len(text.encode())
+        if size >= mb * 1e6:
+            break
+    tok = load_tokenizer("gpt2")
+    t = time.perf_counter()
+    for text in texts:
+        tok.encode(text)
+    return size / 1e6 / (time.perf_counter() - t)

@@ -1,0 +1,45 @@
+"""`gptforge bench` runs end to end, and the fast path keeps the fp32 path's numbers."""
+
+import json
+
+import pytest
+import torch
+
+from gptforge.cli import main
+from gptforge.model import GPT, GPTConfig
+from gptforge.runtime import autocast
+
+
+def test_bench_prints_ours_reference_and_ratio(capsys):
+    pytest.importorskip("transformers")
+    args = ["bench", "--config", "tiny", "--steps", "2", "--warmup", "1", "--json", "--set", "model.vocab_size=512"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["settings"]["params"] > 0 and r["ours"]["tokens_per_s"] > 0 and r["reference"]["tokens_per_s"] > 0
+    assert r["speedup"] == pytest.approx(r["reference"]["ms"] / r["ours"]["ms"])
+    assert r["sampling"]["with_cache"] > 0 and r["tokenization_mb_s"] > 0
+
+
+def test_bf16_fast_path_matches_fp32_within_its_precision():
+    """Same weights, same batches: the bf16-autocast trajectory stays within bf16's tolerance of fp32's."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=2048, n_layer=2, n_head=4, n_embd=128)
+    base = GPT(cfg)
+    # Arithmetic sequences: the next token follows from the last, so the loss can fall within a few steps.
+    batches = [(torch.randint(0, 2048, (8, 1)) + 7 * torch.arange(65)) % 2048 for _ in range(6)]
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = GPT(cfg)
+        model.load_state_dict(base.state_dict())
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+        losses[dtype] = []
+        for b in batches:
+            with autocast(torch.device("cpu"), dtype):
+                _, loss = model(b[:, :-1], b[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[dtype].append(loss.item())
+    assert losses[torch.float32][-1] < losses[torch.float32][0] - 0.1  # it trains
+    for a, b in zip(losses[torch.float32], losses[torch.bfloat16], strict=True):
+        assert abs(a - b) < 0.02 * a  # bf16 keeps ~3 significant digits
