@@ -119,3 +119,14 @@ def test_training_scores_hellaswag_at_each_evaluation(data_dir, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     hs = [r for r in records if r["kind"] == "hellaswag"]
     assert [r["step"] for r in hs] == [0, 2, 4] and all(r["n"] == 5 and 0 <= r["acc_norm"] <= 1 for r in hs)
+
+
+def test_hf_hellaswag_reads_the_validation_split_of_a_local_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "hs" / "data").mkdir(parents=True)
+    rows = {"ctx": ["A man", "A dog"], "endings": [["a", "b", "c", "d"]] * 2, "label": ["2", "0"]}
+    datasets.Dataset.from_dict(rows).to_parquet(tmp_path / "hs" / "data" / "validation-00000-of-00001.parquet")
+    examples = read_examples(f"hf:{tmp_path / 'hs'}", limit=1)
+    assert examples == [{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}]

@@ -227,6 +227,8 @@ def _train(
         loss_accum = torch.zeros((), device=device)
         for micro in range(accum):
             x, y = loader.next_batch()
+            if device.type == "cuda":  # page-locked memory lets the copy overlap the previous step's kernels
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP all-reduces gradients in backward; only the last micro-step needs it.
             last_micro = micro == accum - 1
