@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from gptforge.data.loader import TokenLoader
-from gptforge.data.shards import read_manifest
 from gptforge.distributed import SINGLE, DistEnv, all_reduce_sum
 from gptforge.errors import GptforgeError
 from gptforge.model import GPT
@@ -33,13 +32,15 @@ def evaluate_loss(
     dtype: torch.dtype,
     split: str = "val",
     env: DistEnv = SINGLE,
+    loader: TokenLoader | None = None,
 ) -> dict[str, float]:
     """Mean token loss with ppl and bpb, over windows spread evenly across `split` (the same every call).
 
     Spreading matters: a prefix of the split covers a few documents, which can be far easier than the rest.
     Ranks score disjoint shares of the same windows, so the result does not depend on the world size.
+    A caller that evaluates repeatedly passes its unshuffled `loader` of the split, built once.
     """
-    loader = TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
+    loader = loader or TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
     steps = max(1, min(max_tokens // (batch_size * seq_len), loader.batches_per_epoch))
     windows = np.linspace(0, loader.n_windows - 1, steps * batch_size).round().astype(np.int64)
     mine = windows[env.rank :: env.world_size]
@@ -55,7 +56,7 @@ def evaluate_loss(
     model.train(was_training)
     all_reduce_sum(sums, env)
     loss = (sums[0] / sums[1]).item()
-    stats = read_manifest(data_dir)["splits"][split]
+    stats = loader.manifest["splits"][split]
     # bpb = nats/token / ln 2 * tokens/byte; unknown (NaN) for shard folders that did not record bytes.
     bits_per_byte = loss / math.log(2) * stats["tokens"] / stats["bytes"] if stats["bytes"] else float("nan")
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": int(sums[1].item())}

@@ -159,10 +159,11 @@ def _train(
         metrics = NullLog()
 
     hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
+    val_loader = TokenLoader(cfg.data.path, "val", B, T, shuffle=False) if has_val else None
 
     def evaluate(at_step: int) -> dict[str, float]:
         t = time.perf_counter()
-        val = evaluate_loss(model, cfg.data.path, B, T, cfg.eval.tokens, device, dtype, env=env)
+        val = evaluate_loss(model, cfg.data.path, B, T, cfg.eval.tokens, device, dtype, env=env, loader=val_loader)
         metrics.write("val", at_step, **val)
         if hellaswag:
             hs = evaluate_hellaswag(model, tokenizer, hellaswag, device, dtype, env)

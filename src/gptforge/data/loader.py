@@ -29,7 +29,7 @@ class TokenLoader:
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        manifest = read_manifest(data_dir)
+        self.manifest = manifest = read_manifest(data_dir)
         vocab = manifest["tokenizer"]["vocab_size"]
         files = [s["file"] for s in manifest["shards"] if s["split"] == split]
         self.shards = [read_shard(Path(data_dir) / f, vocab) for f in files]
