@@ -36,7 +36,7 @@ def hf_logits(model, idx):
 def our_logits(model, idx):
     """Full-sequence logits: score every position against dummy targets."""
     with torch.no_grad():
-        logits, _ = model(idx, torch.zeros_like(idx))
+        logits, _ = model(idx, all_logits=True)
     return logits
 
 

@@ -38,8 +38,8 @@ def test_causality():
     x = torch.randint(0, 1000, (1, 16))
     y = x.clone()
     y[0, 10:] = (y[0, 10:] + 1) % 1000
-    lx, _ = model(x, x)
-    ly, _ = model(y, y)
+    lx, _ = model(x, all_logits=True)
+    ly, _ = model(y, all_logits=True)
     torch.testing.assert_close(lx[0, :10], ly[0, :10])
     assert not torch.allclose(lx[0, 10:], ly[0, 10:])
 
@@ -49,3 +49,39 @@ def test_residual_projection_init_is_scaled():
     model = GPT(tiny(n_layer=8, n_embd=256, n_head=4))
     std = model.transformer.h[0].attn.c_proj.weight.std().item()
     assert abs(std - 0.02 / math.sqrt(16)) < 0.001
+
+
+def _loss_and_grads(model, x, y, fused, dtype=torch.float32):
+    model.fused_loss = fused
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        logits, loss = model(x, y)
+    loss.backward()
+    assert logits is None or not fused  # the fused path never builds the logits
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_fused_loss_equals_plain_cross_entropy_and_its_gradients():
+    """Chunked lm_head + cross-entropy gives the plain path's loss and every parameter's gradient."""
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=1000, vocab_multiple=128))
+    x, y = torch.randint(0, 1000, (4, 16)), torch.randint(0, 1000, (4, 16))
+    plain_loss, plain = _loss_and_grads(model, x, y, fused=False)
+    fused_loss, fused = _loss_and_grads(model, x, y, fused=True)
+    assert abs(plain_loss - fused_loss) < 1e-5
+    for name in plain:
+        torch.testing.assert_close(fused[name], plain[name], atol=1e-6, rtol=1e-4)
+    assert fused["transformer.wte.weight"][1000:].abs().max() == 0  # padded rows get no gradient
+    with torch.no_grad():
+        assert abs(model(x, y)[1].item() - plain_loss) < 1e-5
+
+
+def test_fused_loss_under_bf16_autocast_stays_within_bf16_of_plain():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    x, y = torch.randint(0, 1000, (4, 16)), torch.randint(0, 1000, (4, 16))
+    plain_loss, plain = _loss_and_grads(model, x, y, fused=False, dtype=torch.bfloat16)
+    fused_loss, fused = _loss_and_grads(model, x, y, fused=True, dtype=torch.bfloat16)
+    assert abs(plain_loss - fused_loss) < 0.01 * plain_loss
+    g_plain, g_fused = plain["transformer.wte.weight"], fused["transformer.wte.weight"]
+    assert (g_fused - g_plain).norm() < 0.02 * g_plain.norm()

@@ -80,6 +80,8 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     ]
     peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
     model = GPT(cfg.model).to(device)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.fused_loss = cfg.train.fused_loss
     flops = model.flops_per_token(T) * batch_tokens
     train_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, device.type)
@@ -92,6 +94,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
             "device": str(device),
             "dtype": str(dtype)[6:],
             "compile": cfg.train.compile,
+            "fused_loss": cfg.train.fused_loss,
             "micro_batch": B,
             "seq_len": T,
             "accumulation": accum,

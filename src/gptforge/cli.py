@@ -153,6 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(
         f"{args.config}: {s['params']:,} params, {s['micro_batch']} x {s['seq_len']} x {s['accumulation']} "
         f"accumulation, vocab {s['vocab_size']} | {s['device']} {s['dtype']}{' compiled' if s['compile'] else ''}"
+        f"{' fused-loss' if s['fused_loss'] else ''}"
         f" | MFU against {s['peak_tflops']:.2f} TFLOP/s ({s['peak_source']})"
     )
     o = r["ours"]

@@ -81,6 +81,9 @@ class TrainConfig:
     """Shard AdamW's state across processes (ZeroRedundancyOptimizer) for models whose optimizer does not fit."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute."""
+    fused_loss: bool = True
+    """Compute the cross-entropy together with lm_head, a chunk of rows at a time, so the full (tokens x vocab)
+    logits never exist: less memory, same loss and gradients as the plain path."""
     batch_ramp_tokens: int = 0
     """GPT-3's batch ramp: grow the batch linearly from one micro-batch per process to batch_tokens over this
     many tokens (0: full batch from the start)."""

@@ -99,7 +99,7 @@ def evaluate_hellaswag(
             mask[r, start : len(row)] = True
         idx, mask = idx.to(device), mask.to(device)
         with autocast(device, dtype):
-            logits, _ = model(idx, idx)  # targets only to get every position's logits
+            logits, _ = model(idx, all_logits=True)
         # Position t predicts token t+1: score the ending tokens.
         losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), idx[:, 1:], reduction="none")
         scored = mask[:, 1:]

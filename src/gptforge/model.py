@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from gptforge.loss import linear_cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -133,6 +135,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input/output embedding
         self.activation_checkpointing = False  # recompute blocks in backward (set by the trainer)
+        self.fused_loss = True  # cross-entropy chunked with lm_head, never holding the full logits
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), since each block adds two of them.
         for name, p in self.named_parameters():
@@ -161,11 +164,16 @@ class GPT(nn.Module):
         return 6 * matmul_params + 6 * cfg.n_layer * cfg.n_embd * T
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits over the real vocabulary; with targets, also the mean cross-entropy (fp32).
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits over the real vocabulary, mean cross-entropy in fp32 when targets are given).
 
-        Without targets only the last position's logits are computed; a `cache` continues from its position.
+        Logits are the last position's only, unless `all_logits`; with targets and no `all_logits` they are None
+        (the loss is fused with lm_head). A `cache` continues from its position.
         """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
@@ -181,9 +189,11 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos += T
         x = self.transformer.ln_f(x)
+        V = self.config.vocab_size
+        if targets is not None and self.fused_loss and not all_logits:
+            return None, linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), V)
+        logits = self.lm_head(x if all_logits or targets is not None else x[:, [-1], :])[..., :V]
         if targets is None:
-            # Generation needs only the last position's distribution.
-            return self.lm_head(x[:, [-1], :])[..., : self.config.vocab_size], None
-        logits = self.lm_head(x)[..., : self.config.vocab_size]
+            return logits, None
         loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
-        return logits, loss
+        return (logits if all_logits else None), loss

@@ -124,6 +124,7 @@ def _train(
         model.load_state_dict(init_model.state_dict())
     model.to(device)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.fused_loss = cfg.train.fused_loss
     train_model = distributed.wrap(torch.compile(model) if cfg.train.compile else model, env, device)
     optimizer = build_optimizer(model, cfg.optim, device.type, zero=cfg.train.zero and env.distributed)
     # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
