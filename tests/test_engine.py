@@ -82,7 +82,7 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(data_dir,
     val_two = [r["loss"] for r in vals if r["kind"] == "val"]
     val_one = [r["loss"] for r in val_one if r["kind"] == "val"]
     assert len(val_two) == len(val_one) == 3  # evaluation sharded over ranks gives the single-process number
-    assert all(abs(x - y) <= 1e-5 for x, y in zip(val_two, val_one)), (val_two, val_one)
+    assert all(abs(x - y) <= 1e-5 for x, y in zip(val_two, val_one, strict=True)), (val_two, val_one)
 
     # ZeRO: the same run with AdamW's state sharded over the two processes.
     zero = subprocess.run(

@@ -26,6 +26,7 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.loader import TokenLoader
+from gptforge.data.prefetch import Prefetcher
 from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 from gptforge.evaluate import evaluate_loss
@@ -79,14 +80,20 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
     """Train with `cfg` into RUN_DIR; under torchrun each process calls this."""
     env, device_name = distributed.init(cfg.train.device)
     try:
-        with StopSignal() as stop:
-            return _train(cfg, Path(run_dir), resume, env, resolve_device(device_name), stop)
+        with StopSignal() as stop, contextlib.ExitStack() as cleanup:
+            return _train(cfg, Path(run_dir), resume, env, resolve_device(device_name), stop, cleanup)
     finally:
         distributed.cleanup()
 
 
 def _train(
-    cfg: Config, run_dir: Path, resume: str | None, env: distributed.DistEnv, device: torch.device, stop: StopSignal
+    cfg: Config,
+    run_dir: Path,
+    resume: str | None,
+    env: distributed.DistEnv,
+    device: torch.device,
+    stop: StopSignal,
+    cleanup: contextlib.ExitStack,
 ) -> TrainResult:
     t_start = time.perf_counter()
     print0 = print if env.is_main else (lambda *a, **k: None)
@@ -196,7 +203,7 @@ def _train(
         extra = {
             "tokens": tokens_seen,
             "max_steps": max_steps,
-            "loader": loader.state_dict(),
+            "loader": batches.state_dict(),
             "skipped_steps": skipped_total,
             "scaler": scaler.state_dict(),
         }
@@ -220,6 +227,8 @@ def _train(
     t_calibrate, skipped_in_row = None, 0
     t_loop, step_loop = time.perf_counter(), step
     model.train()
+    # Batches are read ahead on a thread; `batches.state_dict()` is the position after the last one trained on.
+    batches = cleanup.enter_context(Prefetcher(loader, pin_memory=device.type == "cuda"))
     while step < max_steps:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, max_steps)
@@ -228,9 +237,7 @@ def _train(
         accum = ramp_accum(tokens_seen) if cfg.train.batch_ramp_tokens else grad_accum
         loss_accum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = loader.next_batch()
-            if device.type == "cuda":  # page-locked memory lets the copy overlap the previous step's kernels
-                x, y = x.pin_memory(), y.pin_memory()
+            x, y = batches.next_batch()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP all-reduces gradients in backward; only the last micro-step needs it.
             last_micro = micro == accum - 1
