@@ -7,6 +7,7 @@ medians over the timed steps. Also: sampling tokens/s with and without the KV ca
 
 from __future__ import annotations
 
+import itertools
 import resource
 import statistics
 import time
@@ -23,6 +24,7 @@ from gptforge.model import GPT
 from gptforge.optim import build_optimizer
 from gptforge.runtime import autocast, resolve_device, resolve_dtype, setup_fast_math
 from gptforge.tokenizer import load_tokenizer
+from gptforge.trainer import train_step
 
 
 def _sync(device: torch.device) -> None:
@@ -49,22 +51,11 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
 
 
-def _train_step(loss_of, model, optimizer, batches, accum, device, dtype, clip) -> Callable[[], torch.Tensor]:
-    """One optimizer step as the trainer takes it: accumulation, clipping, AdamW; `loss_of(x, y)` runs the model."""
-
-    def step() -> torch.Tensor:
-        total = torch.zeros((), device=device)
-        for x, y in batches[:accum]:
-            with autocast(device, dtype):
-                loss = loss_of(x, y) / accum
-            total += loss.detach()
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return total
-
-    return step
+def _step(train_model, model, optimizer, batches, dtype, clip) -> Callable[[], torch.Tensor]:
+    """The trainer's optimizer step over all `batches` (one per micro-step); returns the loss."""
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    next_batch = itertools.cycle(batches).__next__
+    return lambda: train_step(train_model, model, optimizer, scaler, next_batch, len(batches), clip, dtype)[0]
 
 
 def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = True) -> dict[str, Any]:
@@ -85,9 +76,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     flops = model.flops_per_token(T) * batch_tokens
     train_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, device.type)
-    step = _train_step(
-        lambda x, y: train_model(x, y)[1], model, optimizer, batches, accum, device, dtype, cfg.optim.grad_clip
-    )
+    step = _step(train_model, model, optimizer, batches, dtype, cfg.optim.grad_clip)
     ours = _time_steps(step, device, warmup, steps)
     result: dict[str, Any] = {
         "settings": {
@@ -107,7 +96,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
         "ours_peak_memory_mb": _peak_memory_mb(device),
     }
     if reference:
-        result["reference"] = _reference(cfg, batches, accum, device, warmup, steps, batch_tokens, flops, peak)
+        result["reference"] = _reference(cfg, batches, device, warmup, steps, batch_tokens, flops, peak)
         result["speedup"] = result["reference"]["ms"] / result["ours"]["ms"]
     result["sampling"] = _sampling(model, device, dtype)
     result["tokenization_mb_s"] = _tokenization()
@@ -119,7 +108,7 @@ def _figures(times: list[float], batch_tokens: int, flops: float, peak: float) -
     return {"ms": median * 1000, "tokens_per_s": batch_tokens / median, "mfu": flops / median / peak if peak else 0.0}
 
 
-def _reference(cfg, batches, accum, device, warmup, steps, batch_tokens, flops, peak) -> dict[str, Any]:
+def _reference(cfg, batches, device, warmup, steps, batch_tokens, flops, peak) -> dict[str, Any]:
     import transformers
 
     hf_cfg = transformers.GPT2Config(
@@ -139,9 +128,7 @@ def _reference(cfg, batches, accum, device, warmup, steps, batch_tokens, flops, 
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
     )
-    step = _train_step(
-        lambda x, y: model(x, labels=y).loss, model, optimizer, batches, accum, device, torch.float32, o.grad_clip
-    )
+    step = _step(lambda x, y: (None, model(x, labels=y).loss), model, optimizer, batches, torch.float32, o.grad_clip)
     times = _time_steps(step, device, warmup, steps)
     return {
         **_figures(times, batch_tokens, flops, peak),

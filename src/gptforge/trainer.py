@@ -11,8 +11,10 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,6 +76,47 @@ class StopSignal:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def train_step(
+    train_model: Callable[..., tuple[Any, torch.Tensor]],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    accum: int,
+    grad_clip: float,
+    dtype: torch.dtype,
+    env: distributed.DistEnv = distributed.SINGLE,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step over `accum` micro-batches: (mean loss over ranks, pre-clip gradient norm, applied?).
+
+    A step whose loss or gradient is not finite is skipped, not applied; `gptforge bench` times this same step.
+    """
+    device = next(model.parameters()).device
+    loss_accum = torch.zeros((), device=device)
+    for micro in range(accum):
+        x, y = next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # DDP all-reduces gradients in backward; only the last micro-step needs it.
+        last_micro = micro == accum - 1
+        with contextlib.nullcontext() if last_micro or not env.distributed else train_model.no_sync():
+            with autocast(device, dtype):
+                _, loss = train_model(x, y)
+                # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
+                loss = loss / accum
+            loss_accum += loss.detach()
+            scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    clip = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
+    distributed.all_reduce_mean(loss_accum, env)
+    finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss_accum))  # the one host sync per step
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_accum, norm, finite
 
 
 def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainResult:
@@ -235,35 +278,17 @@ def _train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         accum = ramp_accum(tokens_seen) if cfg.train.batch_ramp_tokens else grad_accum
-        loss_accum = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = batches.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DDP all-reduces gradients in backward; only the last micro-step needs it.
-            last_micro = micro == accum - 1
-            with contextlib.nullcontext() if last_micro or not env.distributed else train_model.no_sync():
-                with autocast(device, dtype):
-                    _, loss = train_model(x, y)
-                    # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
-                    loss = loss / accum
-                loss_accum += loss.detach()
-                scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
-        distributed.all_reduce_mean(loss_accum, env)
-        finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss_accum))  # the one host sync per step
-        if finite:
-            scaler.step(optimizer)
+        loss, norm, applied = train_step(
+            train_model, model, optimizer, scaler, batches.next_batch, accum, cfg.optim.grad_clip, dtype, env
+        )
+        if applied:
             skipped_in_row = 0
         else:
             skipped_total, skipped_in_row = skipped_total + 1, skipped_in_row + 1
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
         step += 1
         step_tokens = accum * B * T * world
         tokens_seen += step_tokens
-        loss_value = loss_accum.item()
+        loss_value = loss.item()
         dt = time.perf_counter() - t0
         elapsed = time.perf_counter() - t_start
         if skipped_in_row:
