@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gptforge.cli import main
+from gptforge.metrics import peak_flops
 from gptforge.model import GPT, GPTConfig
 from gptforge.runtime import autocast
 
@@ -43,3 +44,29 @@ def test_bf16_fast_path_matches_fp32_within_its_precision():
     assert losses[torch.float32][-1] < losses[torch.float32][0] - 0.1  # it trains
     for a, b in zip(losses[torch.float32], losses[torch.bfloat16], strict=True):
         assert abs(a - b) < 0.02 * a  # bf16 keeps ~3 significant digits
+
+
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),  # not the SXM part's 989
+        ("NVIDIA H100 NVL", torch.float16, 835.0),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, 156.0),  # fp32 matmuls run as tf32
+        ("NVIDIA L40S", torch.bfloat16, 362.1),  # not L40's nor L4's
+        ("NVIDIA L4", torch.bfloat16, 121.0),
+    ],
+)
+def test_mfu_peak_is_the_variant_and_dtype_of_the_gpu(monkeypatch, name, dtype, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak, source = peak_flops(torch.device("cuda"), dtype)
+    assert peak == tflops * 1e12, source
+    assert peak_flops(torch.device("cuda"), dtype, override=1e12) == (1e12, "train.peak_flops")
+
+
+def test_unknown_gpu_asks_for_the_override(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU 9000")
+    assert peak_flops(torch.device("cuda"), torch.bfloat16) == (
+        0.0,
+        "unknown GPU 'Imaginary GPU 9000': set train.peak_flops",
+    )

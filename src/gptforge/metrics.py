@@ -12,17 +12,32 @@ import torch
 from gptforge.errors import GptforgeError
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), matched against torch.cuda.get_device_name().
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10": 125e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,
-    "T4": 65e12,
+# Dense (no sparsity) tensor-core peaks in TFLOP/s from the vendors' datasheets: (bf16/fp16 with fp32 accumulation,
+# tf32). Matched as substrings of the device name, first match wins: variants come before their family, since an
+# "H100 PCIe" peaks 24% lower than the SXM part that a bare "H100" figure describes.
+GPU_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "H100 PCIe": (756.0, 378.0),
+    "H100 NVL": (835.0, 418.0),
+    "H200 NVL": (835.0, 418.0),
+    "GH200": (989.4, 494.7),
+    "H200": (989.4, 494.7),
+    "H100": (989.4, 494.7),
+    "H800": (989.4, 494.7),
+    "B200": (2250.0, 1100.0),
+    "A100": (312.0, 156.0),
+    "A800": (312.0, 156.0),
+    "L40S": (362.1, 183.0),
+    "L40": (181.0, 90.5),
+    "L4": (121.0, 60.0),
+    "RTX 6000 Ada": (364.2, 182.1),
+    "RTX A6000": (154.8, 77.4),
+    "A40": (149.7, 74.8),
+    "A10": (125.0, 62.5),
+    "RTX 4090": (165.2, 82.6),
+    "RTX 3090": (71.0, 35.6),
+    "V100": (125.0, 15.7),  # fp16 only; no tf32, so fp32 runs at the CUDA-core rate
+    "T4": (65.0, 8.1),
+    "MI300X": (1307.4, 653.7),
 }
 
 
@@ -95,9 +110,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) 
         return override, "train.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS.items():
+        for key, (half, tf32) in GPU_PEAK_TFLOPS.items():
             if key in name:
-                return flops, f"{key} bf16 dense peak"
+                if dtype == torch.float32:  # matmuls run in tf32 (setup_fast_math allows it)
+                    return tf32 * 1e12, f"{key} tf32 dense peak"
+                return half * 1e12, f"{key} {str(dtype)[6:]} dense peak"
         return 0.0, f"unknown GPU {name!r}: set train.peak_flops"
     if device.type == "cpu":
         return cpu_matmul_flops(dtype), f"measured CPU {str(dtype)[6:]} matmul"
