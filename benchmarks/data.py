@@ -1,11 +1,16 @@
 """Data pipeline throughput: stdlib tokenization (MB/s) with 1 worker and all cores, and loader batches/s.
 
+Also the parent process's CPU time per document on many small documents (the stdlib cut into 600-character
+JSONL records, FineWeb-sized): the parent hands out and collects every document, so this caps how many
+workers can be kept busy.
+
 python benchmarks/data.py [--tokenizer gpt2] [--batch 16] [--seq-len 1024]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -13,6 +18,7 @@ from pathlib import Path
 
 from gptforge.data.loader import TokenLoader
 from gptforge.data.prepare import prepare
+from gptforge.data.sources import stdlib_documents
 
 
 def main() -> None:
@@ -38,6 +44,18 @@ def main() -> None:
             )
         if cores > 1:
             print(f"speed-up with {cores} workers: {rates[cores] / rates[1]:.2f}x")
+        small = Path(tmp) / "small.jsonl"
+        with small.open("w") as f:
+            for _name, text in stdlib_documents():
+                f.writelines(json.dumps({"text": text[i : i + 600]}) + "\n" for i in range(0, len(text), 600))
+        t, cpu = time.perf_counter(), time.process_time()
+        m = prepare(str(small), Path(tmp) / "small", tokenizer=args.tokenizer, workers=cores)
+        seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+        docs = sum(s["docs"] for s in m["splits"].values())
+        print(
+            f"prepare {docs:,} documents of 600 characters, {cores} worker(s): {seconds:.1f}s, parent process "
+            f"{cpu / docs * 1e6:.0f} us CPU per document (caps the pool at {docs / cpu:,.0f} documents/s)"
+        )
         loader = TokenLoader(out, "train", args.batch, args.seq_len, seed=0)
         t, n = time.perf_counter(), 0
         while time.perf_counter() - t < 3.0:

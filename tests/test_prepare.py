@@ -105,6 +105,7 @@ def test_crashed_prepare_resumes_and_skips_finished_shards(corpus_dir, tmp_path,
             yield doc
 
     monkeypatch.setattr(prep, "documents", crashing)
+    monkeypatch.setattr(prep, "BATCH_DOCS", 4)  # the 40 documents before the crash make whole batches
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
     progress = json.loads((tmp_path / "progress.json").read_text())

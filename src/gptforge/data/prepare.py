@@ -28,6 +28,7 @@ from gptforge.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 TOKENIZER_FILE = "tokenizer.json"
 PROGRESS = "progress.json"
+BATCH_DOCS, BATCH_CHARS = 256, 1 << 20  # documents per worker task, at most (a crash loses at most one batch)
 _worker: dict[str, Any] = {}
 
 
@@ -100,17 +101,36 @@ def _init_worker(tokenizer_spec: str, ngrams: frozenset[int]) -> None:
     _worker["ngrams"] = ngrams
 
 
-def _encode(job: tuple[int, str, str, str]) -> tuple[int, str, np.ndarray | None, int]:
-    """EOT first, then the document, so every document (the first too) starts after a delimiter.
+def _encode(jobs: list[tuple[int, str, str]]) -> tuple[list[tuple[int, str, int, int]], np.ndarray]:
+    """Tokenize a batch of documents into one array: ([(index, split, n_tokens, n_bytes)], tokens).
 
-    Contaminated training documents come back as None.
+    Each document is EOT first, then its text, so every document (the first too) starts after a delimiter.
+    Contaminated training documents get n_tokens -1 and no tokens. One array per batch, not per document,
+    keeps the parent's per-document work (unpickling, bookkeeping) small enough not to cap many workers.
     """
-    index, split, _name, text = job
-    if split == "train" and is_contaminated(text, _worker["ngrams"]):
-        return index, split, None, 0
     tok = _worker["tok"]
-    ids = np.array([tok.eot, *tok.encode(text)], dtype=dtype_for_vocab(tok.vocab_size))
-    return index, split, ids, len(text.encode("utf-8"))
+    docs, ids = [], []
+    for index, split, text in jobs:
+        if split == "train" and is_contaminated(text, _worker["ngrams"]):
+            docs.append((index, split, -1, 0))
+            continue
+        before = len(ids)
+        ids.append(tok.eot)
+        ids.extend(tok.encode(text))
+        docs.append((index, split, len(ids) - before, len(text.encode("utf-8"))))
+    return docs, np.array(ids, dtype=dtype_for_vocab(tok.vocab_size))
+
+
+def _batched(items: Iterator[tuple[int, str, str]]) -> Iterator[list[tuple[int, str, str]]]:
+    batch, chars = [], 0
+    for item in items:
+        batch.append(item)
+        chars += len(item[2])
+        if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def is_validation(name: str, index: int, val_fraction: float, seed: int = 0) -> bool:
@@ -204,11 +224,11 @@ def prepare(
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
     start = min(w.next_doc for w in writers.values())
 
-    def jobs() -> Iterator[tuple[int, str, str, str]]:
+    def jobs() -> Iterator[tuple[int, str, str]]:
         for index, (name, text) in enumerate(_nonempty(docs)):
             split = "val" if is_validation(name, index, val_fraction, seed) else "train"
             if index >= start and index >= writers[split].next_doc:
-                yield index, split, name, text
+                yield index, split, text
 
     def save_progress() -> None:
         state = {
@@ -221,12 +241,16 @@ def prepare(
     spec = str(tok.path) if tok.path else tok.name
     bar = tqdm(total=source_bytes(source), desc=f"prepare {source}", unit="B", unit_scale=True, disable=None)
     with mp.get_context("spawn").Pool(workers or os.cpu_count() or 1, _init_worker, (spec, ngrams)) as pool:
-        for index, split, ids, n_bytes in pool.imap(_encode, jobs(), 16):
-            if ids is None:
-                dropped += 1
-            elif writers[split].add(index, ids, n_bytes):
-                save_progress()
-            bar.update(n_bytes)
+        for batch, tokens in pool.imap(_encode, _batched(jobs())):
+            offset = 0
+            for index, split, n_tokens, n_bytes in batch:
+                if n_tokens < 0:
+                    dropped += 1
+                    continue
+                if writers[split].add(index, tokens[offset : offset + n_tokens], n_bytes):
+                    save_progress()
+                offset += n_tokens
+                bar.update(n_bytes)
             bar.set_postfix(
                 docs=writers["train"].docs + writers["val"].docs, tokens=writers["train"].tokens, refresh=False
             )
