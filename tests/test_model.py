@@ -1,8 +1,9 @@
 import math
 
 import torch
+import torch.nn.functional as F
 
-from gptforge.model import GPT, MODEL_PRESETS, GPTConfig
+from gptforge.model import GPT, MODEL_PRESETS, GPTConfig, explicit_causal_attention
 
 
 def tiny(**kw) -> GPTConfig:
@@ -85,3 +86,13 @@ def test_fused_loss_under_bf16_autocast_stays_within_bf16_of_plain():
     assert abs(plain_loss - fused_loss) < 0.01 * plain_loss
     g_plain, g_fused = plain["transformer.wte.weight"], fused["transformer.wte.weight"]
     assert (g_fused - g_plain).norm() < 0.02 * g_plain.norm()
+
+
+def test_explicit_cpu_attention_equals_sdpa_and_its_gradients():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8, requires_grad=True) for _ in range(3))
+    ours = explicit_causal_attention(q, k, v, 0.0)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, ref)
+    g = torch.randn_like(ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g))

@@ -32,16 +32,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int) -> list[float]:
+def _warm_up(step: Callable[[], torch.Tensor], device: torch.device, warmup: int) -> None:
     for _ in range(warmup):
         step()
     _sync(device)
-    times = []
+
+
+def _time_interleaved(
+    candidates: dict[str, Callable[[], torch.Tensor]], device: torch.device, steps: int
+) -> dict[str, list[float]]:
+    """Step times of each candidate, taking turns step by step so a shared machine's slow spells hit all alike."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(steps):
-        t = time.perf_counter()
-        step().item()  # the loss, as the trainer's one host sync per step
-        _sync(device)
-        times.append(time.perf_counter() - t)
+        for name, step in candidates.items():
+            t = time.perf_counter()
+            step().item()  # the loss, as the trainer's one host sync per step
+            _sync(device)
+            times[name].append(time.perf_counter() - t)
     return times
 
 
@@ -76,8 +83,13 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     flops = model.flops_per_token(T) * batch_tokens
     train_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, device.type)
-    step = _step(train_model, model, optimizer, batches, dtype, cfg.optim.grad_clip)
-    ours = _time_steps(step, device, warmup, steps)
+    candidates = {"ours": _step(train_model, model, optimizer, batches, dtype, cfg.optim.grad_clip)}
+    _warm_up(candidates["ours"], device, warmup)
+    peak_memory = _peak_memory_mb(device)  # before the reference exists: ours alone
+    if reference:
+        candidates["reference"], what = _reference(cfg, batches)
+        _warm_up(candidates["reference"], device, warmup)
+    times = _time_interleaved(candidates, device, steps)
     result: dict[str, Any] = {
         "settings": {
             "device": str(device),
@@ -92,11 +104,11 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
             "peak_tflops": peak / 1e12,
             "peak_source": peak_source,
         },
-        "ours": _figures(ours, batch_tokens, flops, peak),
-        "ours_peak_memory_mb": _peak_memory_mb(device),
+        "ours": _figures(times["ours"], batch_tokens, flops, peak),
+        "ours_peak_memory_mb": peak_memory,
     }
     if reference:
-        result["reference"] = _reference(cfg, batches, device, warmup, steps, batch_tokens, flops, peak)
+        result["reference"] = {**_figures(times["reference"], batch_tokens, flops, peak), "what": what}
         result["speedup"] = result["reference"]["ms"] / result["ours"]["ms"]
     result["sampling"] = _sampling(model, device, dtype)
     result["tokenization_mb_s"] = _tokenization()
@@ -108,7 +120,8 @@ def _figures(times: list[float], batch_tokens: int, flops: float, peak: float) -
     return {"ms": median * 1000, "tokens_per_s": batch_tokens / median, "mfu": flops / median / peak if peak else 0.0}
 
 
-def _reference(cfg, batches, device, warmup, steps, batch_tokens, flops, peak) -> dict[str, Any]:
+def _reference(cfg: Config, batches: list) -> tuple[Callable[[], torch.Tensor], str]:
+    """The optimizer step of transformers' GPT2LMHeadModel of the same shape, in fp32 eager mode, and its name."""
     import transformers
 
     hf_cfg = transformers.GPT2Config(
@@ -123,17 +136,13 @@ def _reference(cfg, batches, device, warmup, steps, batch_tokens, flops, peak) -
         bos_token_id=None,  # GPT2Config defaults to 50256, outside smaller vocabularies
         eos_token_id=None,
     )
-    model = transformers.GPT2LMHeadModel(hf_cfg).to(device).train()
+    model = transformers.GPT2LMHeadModel(hf_cfg).to(batches[0][0].device).train()
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
     )
     step = _step(lambda x, y: (None, model(x, labels=y).loss), model, optimizer, batches, torch.float32, o.grad_clip)
-    times = _time_steps(step, device, warmup, steps)
-    return {
-        **_figures(times, batch_tokens, flops, peak),
-        "what": f"transformers {transformers.__version__} GPT2LMHeadModel, fp32 eager, torch AdamW",
-    }
+    return step, f"transformers {transformers.__version__} GPT2LMHeadModel, fp32 eager, torch AdamW"
 
 
 def _sampling(model: GPT, device: torch.device, dtype: torch.dtype, new_tokens: int = 64) -> dict[str, float]:

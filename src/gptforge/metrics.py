@@ -121,13 +121,14 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) 
     return 0.0, f"no peak known for {device.type}: set train.peak_flops"
 
 
-def cpu_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> float:
-    """FLOP/s of the fastest of a few square matmuls on this CPU: the practical peak MFU is measured against."""
+def cpu_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of the fastest square matmul in `seconds` of trying: the practical peak MFU is measured against."""
     g = torch.Generator().manual_seed(0)  # leave the training RNG alone
     a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     a @ b  # warm-up
-    fastest = float("inf")
-    for _ in range(repeats):  # the fastest, since a shared machine's hiccups only ever slow a matmul down
+    fastest, start = float("inf"), time.perf_counter()
+    # The fastest, since a shared machine's hiccups only ever slow a matmul down; half a second outlasts most.
+    while time.perf_counter() - start < seconds:
         t = time.perf_counter()
         a @ b
         fastest = min(fastest, time.perf_counter() - t)
