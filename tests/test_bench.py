@@ -70,3 +70,27 @@ def test_unknown_gpu_asks_for_the_override(monkeypatch):
         0.0,
         "unknown GPU 'Imaginary GPU 9000': set train.peak_flops",
     )
+
+
+def test_reference_that_runs_out_of_memory_is_retried_with_smaller_micro_batches(monkeypatch):
+    """Same tokens per step: the reference's micro-batches are halved until its step fits."""
+    import gptforge.bench as bench
+    from gptforge.config import load_config
+
+    real = bench._reference
+    tried = []
+
+    def reference_fitting_two(cfg, batches):
+        tried.append((len(batches), batches[0][0].size(0)))
+        if batches[0][0].size(0) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(cfg, batches)
+
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bench, "_reference", reference_fitting_two)
+    monkeypatch.setattr(bench, "_sampling", lambda *a: {})
+    monkeypatch.setattr(bench, "_tokenization", lambda: 0.0)
+    cfg = load_config("tiny", ["model.vocab_size=512", "train.micro_batch=8", "train.batch_tokens=512"])
+    r = bench.run_bench(cfg, steps=1, warmup=1)
+    assert tried == [(2, 8), (4, 4), (8, 2)]  # 2 x 8 x 32 tokens each time
+    assert r["reference"]["micro_batch"] == 2 and r["settings"]["micro_batch"] == 8

@@ -76,3 +76,17 @@ def test_bad_input_gives_one_line_error(tmp_path, args, code, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_gpu_out_of_memory_is_a_one_line_error_with_the_remedy(monkeypatch, capsys):
+    import torch
+
+    import gptforge.bench
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+
+    monkeypatch.setattr(gptforge.bench, "run_bench", out_of_memory)
+    assert main(["bench", "--config", "tiny"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "out of GPU memory" in err and "train.micro_batch" in err

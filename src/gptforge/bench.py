@@ -7,6 +7,7 @@ medians over the timed steps. Also: sampling tokens/s with and without the KV ca
 
 from __future__ import annotations
 
+import gc
 import itertools
 import resource
 import statistics
@@ -87,8 +88,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     _warm_up(candidates["ours"], device, warmup)
     peak_memory = _peak_memory_mb(device)  # before the reference exists: ours alone
     if reference:
-        candidates["reference"], what = _reference(cfg, batches)
-        _warm_up(candidates["reference"], device, warmup)
+        candidates["reference"], what, ref_batch = _fitting_reference(cfg, batches, device, warmup)
     times = _time_interleaved(candidates, device, steps)
     result: dict[str, Any] = {
         "settings": {
@@ -108,7 +108,11 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
         "ours_peak_memory_mb": peak_memory,
     }
     if reference:
-        result["reference"] = {**_figures(times["reference"], batch_tokens, flops, peak), "what": what}
+        result["reference"] = {
+            **_figures(times["reference"], batch_tokens, flops, peak),
+            "what": what,
+            "micro_batch": ref_batch,
+        }
         result["speedup"] = result["reference"]["ms"] / result["ours"]["ms"]
     result["sampling"] = _sampling(model, device, dtype)
     result["tokenization_mb_s"] = _tokenization()
@@ -143,6 +147,25 @@ def _reference(cfg: Config, batches: list) -> tuple[Callable[[], torch.Tensor], 
     )
     step = _step(lambda x, y: (None, model(x, labels=y).loss), model, optimizer, batches, torch.float32, o.grad_clip)
     return step, f"transformers {transformers.__version__} GPT2LMHeadModel, fp32 eager, torch AdamW"
+
+
+def _fitting_reference(cfg: Config, batches: list, device: torch.device, warmup: int):
+    """The reference step, warmed up, and its micro-batch size: halved (same tokens per step, twice the micro-steps)
+    until it fits in memory, since the fp32 reference needs far more than our step (GPT-2 124M at 64 x 1024)."""
+    while True:
+        try:
+            step, what = _reference(cfg, batches)
+            _warm_up(step, device, warmup)
+            return step, what, batches[0][0].size(0)
+        except torch.cuda.OutOfMemoryError:
+            if batches[0][0].size(0) == 1:
+                raise
+        # Out of the except block, so the failed attempt's model and activations are no longer referenced.
+        step = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        batches = [(xs, ys) for x, y in batches for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True)]
 
 
 def _sampling(model: GPT, device: torch.device, dtype: torch.dtype, new_tokens: int = 64) -> dict[str, float]:

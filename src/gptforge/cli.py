@@ -167,6 +167,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"reference: {ref['tokens_per_s']:10,.0f} tokens/s  {ref['ms']:8.1f} ms/step  MFU {ref['mfu']:6.1%}  "
             f"({ref['what']})"
         )
+        if ref["micro_batch"] != s["micro_batch"]:
+            print(f"           (micro-batches of {ref['micro_batch']} to fit in memory; the same tokens per step)")
         print(f"speed-up : {r['speedup']:.2f}x")
     sm = r["sampling"]
     print(
@@ -309,4 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        torch = sys.modules.get("torch")  # loaded by now if a device ran out of memory
+        if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        print(
+            f"gptforge {args.command}: error: out of GPU memory: lower train.micro_batch (accumulation keeps "
+            "train.batch_tokens) or set train.activation_checkpointing=true",
+            file=sys.stderr,
+        )
+        return 1
     return 0
