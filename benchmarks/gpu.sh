@@ -16,5 +16,5 @@ print(f\"ours {o['tokens_per_s']:,.0f} tok/s {o['ms']:.0f} ms/step MFU {o['mfu']
 f\"| speed-up {r['speedup']:.2f}x\" if 'speedup' in r else '')" "$out/$name.json"
 }
 run compiled_fused
-run compiled_plain --no-reference --set train.fused_loss=false
+run compiled_plain --no-reference --set model.fused_loss=false
 run eager_fused --no-reference --set train.compile=false

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from gptforge.allocator import keep_freed_memory
-from gptforge.generate import generate
-from gptforge.model import GPT, MODEL_PRESETS, GPTConfig
-from gptforge.runtime import resolve_device
+from gptforge.runtime.allocator import keep_freed_memory
+from gptforge.model.generate import generate
+from gptforge.model.gpt import GPT, MODEL_PRESETS, GPTConfig
+from gptforge.runtime.device import resolve_device
 
 
 def main() -> None:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gptforge.cli import main
-from gptforge.metrics import peak_flops
-from gptforge.model import GPT, GPTConfig
-from gptforge.runtime import autocast
+from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.runtime.device import autocast
+from gptforge.runtime.flops import peak_flops
 
 
 def test_bench_prints_ours_reference_and_ratio(capsys):

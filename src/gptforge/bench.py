@@ -19,13 +19,13 @@ import torch
 
 from gptforge.config import Config
 from gptforge.data.sources import stdlib_documents
-from gptforge.generate import generate
-from gptforge.metrics import peak_flops
-from gptforge.model import GPT
-from gptforge.optim import build_optimizer
-from gptforge.runtime import autocast, resolve_device, resolve_dtype, setup_fast_math
-from gptforge.tokenizer import load_tokenizer
-from gptforge.trainer import train_step
+from gptforge.data.tokenizer import load_tokenizer
+from gptforge.model.generate import generate
+from gptforge.model.gpt import GPT
+from gptforge.runtime.device import autocast, resolve_device
+from gptforge.runtime.distributed import SINGLE
+from gptforge.train.setup import build
+from gptforge.train.step import train_step
 
 
 def _sync(device: torch.device) -> None:
@@ -59,32 +59,24 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
 
 
-def _step(train_model, model, optimizer, batches, dtype, clip) -> Callable[[], torch.Tensor]:
+def _step(train_model, model, optimizer, scaler, batches, dtype, clip) -> Callable[[], torch.Tensor]:
     """The trainer's optimizer step over all `batches` (one per micro-step); returns the loss."""
-    scaler = torch.amp.GradScaler("cuda", enabled=False)
     next_batch = itertools.cycle(batches).__next__
     return lambda: train_step(train_model, model, optimizer, scaler, next_batch, len(batches), clip, dtype)[0]
 
 
 def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = True) -> dict[str, Any]:
+    """Our training step (built as the trainer builds it) against the reference, sampling and tokenization."""
     device = resolve_device(cfg.train.device)
-    dtype = resolve_dtype(cfg.train.dtype, device)
-    setup_fast_math(device)
-    torch.manual_seed(cfg.train.seed)
+    s = build(cfg, SINGLE, device)
     B, T, V = cfg.train.micro_batch, cfg.model.block_size, cfg.model.vocab_size
-    accum = max(1, cfg.train.batch_tokens // (B * T))
-    batch_tokens = accum * B * T
+    batch_tokens, dtype, peak = s.grad_accum * B * T, s.dtype, s.peak_flops
     batches = [
-        (torch.randint(0, V, (B, T), device=device), torch.randint(0, V, (B, T), device=device)) for _ in range(accum)
+        (torch.randint(0, V, (B, T), device=device), torch.randint(0, V, (B, T), device=device))
+        for _ in range(s.grad_accum)
     ]
-    peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
-    model = GPT(cfg.model).to(device)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.fused_loss = cfg.train.fused_loss
-    flops = model.flops_per_token(T) * batch_tokens
-    train_model = torch.compile(model) if cfg.train.compile else model
-    optimizer = build_optimizer(model, cfg.optim, device.type)
-    candidates = {"ours": _step(train_model, model, optimizer, batches, dtype, cfg.optim.grad_clip)}
+    flops = s.model.flops_per_token(T) * batch_tokens
+    candidates = {"ours": _step(s.train_model, s.model, s.optimizer, s.scaler, batches, dtype, cfg.optim.grad_clip)}
     _warm_up(candidates["ours"], device, warmup)
     peak_memory = _peak_memory_mb(device)  # before the reference exists: ours alone
     if reference:
@@ -95,14 +87,14 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
             "device": str(device),
             "dtype": str(dtype)[6:],
             "compile": cfg.train.compile,
-            "fused_loss": cfg.train.fused_loss,
+            "fused_loss": cfg.model.fused_loss,
             "micro_batch": B,
             "seq_len": T,
-            "accumulation": accum,
+            "accumulation": s.grad_accum,
             "vocab_size": V,
-            "params": model.num_params(),
+            "params": s.model.num_params(),
             "peak_tflops": peak / 1e12,
-            "peak_source": peak_source,
+            "peak_source": s.peak_source,
         },
         "ours": _figures(times["ours"], batch_tokens, flops, peak),
         "ours_peak_memory_mb": peak_memory,
@@ -114,7 +106,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
             "micro_batch": ref_batch,
         }
         result["speedup"] = result["reference"]["ms"] / result["ours"]["ms"]
-    result["sampling"] = _sampling(model, device, dtype)
+    result["sampling"] = _sampling(s.model, device, dtype)
     result["tokenization_mb_s"] = _tokenization()
     return result
 
@@ -145,7 +137,9 @@ def _reference(cfg: Config, batches: list) -> tuple[Callable[[], torch.Tensor], 
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
     )
-    step = _step(lambda x, y: (None, model(x, labels=y).loss), model, optimizer, batches, torch.float32, o.grad_clip)
+    no_scaling = torch.amp.GradScaler("cuda", enabled=False)
+    forward = lambda x, y: (None, model(x, labels=y).loss)  # noqa: E731
+    step = _step(forward, model, optimizer, no_scaling, batches, torch.float32, o.grad_clip)
     return step, f"transformers {transformers.__version__} GPT2LMHeadModel, fp32 eager, torch AdamW"
 
 
@@ -196,3 +190,33 @@ def _tokenization(mb: float = 4.0) -> float:
     for text in texts:
         tok.encode(text)
     return size / 1e6 / (time.perf_counter() - t)
+
+
+def format_bench(r: dict[str, Any], preset: str) -> str:
+    """The console report of `gptforge bench` (without --json)."""
+    s, o = r["settings"], r["ours"]
+    lines = [
+        f"{preset}: {s['params']:,} params, {s['micro_batch']} x {s['seq_len']} x {s['accumulation']} "
+        f"accumulation, vocab {s['vocab_size']} | {s['device']} {s['dtype']}{' compiled' if s['compile'] else ''}"
+        f"{' fused-loss' if s['fused_loss'] else ''} | MFU against {s['peak_tflops']:.2f} TFLOP/s ({s['peak_source']})",
+        f"gptforge : {o['tokens_per_s']:10,.0f} tokens/s  {o['ms']:8.1f} ms/step  MFU {o['mfu']:6.1%}  "
+        f"peak memory {r['ours_peak_memory_mb']:,.0f} MB",
+    ]
+    if "reference" in r:
+        ref = r["reference"]
+        lines.append(
+            f"reference: {ref['tokens_per_s']:10,.0f} tokens/s  {ref['ms']:8.1f} ms/step  MFU {ref['mfu']:6.1%}  "
+            f"({ref['what']})"
+        )
+        if ref["micro_batch"] != s["micro_batch"]:
+            lines.append(
+                f"           (micro-batches of {ref['micro_batch']} to fit in memory; the same tokens per step)"
+            )
+        lines.append(f"speed-up : {r['speedup']:.2f}x")
+    sm = r["sampling"]
+    lines.append(
+        f"sampling : {sm['with_cache']:,.1f} tokens/s with the KV cache, {sm['without_cache']:,.1f} without "
+        f"({sm['new_tokens']} new tokens, batch 1)"
+    )
+    lines.append(f"tokenize : {r['tokenization_mb_s']:.1f} MB/s GPT-2 BPE, one core")
+    return "\n".join(lines)

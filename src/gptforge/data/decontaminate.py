@@ -8,13 +8,12 @@ and with a negligible false-positive rate at millions of n-grams.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from gptforge.data.sources import open_text
 from gptforge.errors import GptforgeError
+from gptforge.files import open_text, read_jsonl
 
 N = 13
 _WORD = re.compile(r"[a-z0-9]+")
@@ -41,16 +40,12 @@ def _strings(value) -> Iterator[str]:
 
 def _eval_texts(path: Path) -> Iterator[str]:
     try:
-        with open_text(path) as f:
-            if Path(path.stem if path.suffix == ".gz" else path.name).suffix != ".jsonl":
+        if Path(path.stem if path.suffix == ".gz" else path.name).suffix != ".jsonl":
+            with open_text(path) as f:
                 yield f.read()
-                return
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield from _strings(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise GptforgeError(f"{path}:{lineno}: not JSON ({e})") from None
+            return
+        for _, record in read_jsonl(path):
+            yield from _strings(record)
     except (OSError, UnicodeDecodeError, EOFError) as e:
         raise GptforgeError(f"--decontaminate {path}: cannot read ({e})") from None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,10 +20,11 @@ import numpy as np
 from tqdm import tqdm
 
 from gptforge.data.decontaminate import eval_ngrams, is_contaminated
-from gptforge.data.shards import MANIFEST, atomic_write_bytes, dtype_for_vocab, write_manifest, write_shard
+from gptforge.data.shards import MANIFEST, dtype_for_vocab, write_manifest, write_shard
 from gptforge.data.sources import Document, documents, resolve, source_bytes
+from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
-from gptforge.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from gptforge.files import atomic_write
 
 TOKENIZER_FILE = "tokenizer.json"
 PROGRESS = "progress.json"
@@ -167,7 +167,7 @@ def _tokenizer_for(out: Path, settings: dict[str, Any], train_vocab: int | None,
         return train_bpe(train_docs, train_vocab, out / TOKENIZER_FILE)
     tok = load_tokenizer(settings["tokenizer"])
     if tok.path is not None and tok.path.resolve() != (out / TOKENIZER_FILE).resolve():
-        shutil.copyfile(tok.path, out / TOKENIZER_FILE)  # the data folder carries its own tokenizer
+        atomic_write(out / TOKENIZER_FILE, tok.path.read_bytes())  # the data folder carries its own tokenizer
         tok = load_tokenizer(TOKENIZER_FILE, out)
     return tok
 
@@ -214,49 +214,14 @@ def prepare(
     resuming = progress is not None and progress.get("settings") == settings
     tok = _tokenizer_for(out, settings, train_tokenizer, resuming)
     ngrams = eval_ngrams(decontaminate) if decontaminate else frozenset()
-    dtype = dtype_for_vocab(tok.vocab_size)
-    writers = {s: ShardWriter(out, s, shard_tokens, dtype) for s in ("train", "val")}
+    writers = {s: ShardWriter(out, s, shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in ("train", "val")}
     dropped = 0
     if resuming:
         for split, w in writers.items():
             w.restore([s for s in progress["shards"] if s["split"] == split])
         dropped = progress["dropped_before_last_shard"]
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
-    start = min(w.next_doc for w in writers.values())
-
-    def jobs() -> Iterator[tuple[int, str, str]]:
-        for index, (name, text) in enumerate(_nonempty(docs)):
-            split = "val" if is_validation(name, index, val_fraction, seed) else "train"
-            if index >= start and index >= writers[split].next_doc:
-                yield index, split, text
-
-    def save_progress() -> None:
-        state = {
-            "settings": settings,
-            "dropped_before_last_shard": dropped,
-            "shards": [s for w in writers.values() for s in w.shards],
-        }
-        atomic_write_bytes(out / PROGRESS, [json.dumps(state).encode()])
-
-    spec = str(tok.path) if tok.path else tok.name
-    bar = tqdm(total=source_bytes(source), desc=f"prepare {source}", unit="B", unit_scale=True, disable=None)
-    with mp.get_context("spawn").Pool(workers or os.cpu_count() or 1, _init_worker, (spec, ngrams)) as pool:
-        for batch, tokens in pool.imap(_encode, _batched(jobs())):
-            offset = 0
-            for index, split, n_tokens, n_bytes in batch:
-                if n_tokens < 0:
-                    dropped += 1
-                    continue
-                if writers[split].add(index, tokens[offset : offset + n_tokens], n_bytes):
-                    save_progress()
-                offset += n_tokens
-                bar.update(n_bytes)
-            bar.set_postfix(
-                docs=writers["train"].docs + writers["val"].docs, tokens=writers["train"].tokens, refresh=False
-            )
-    bar.close()
-    for w in writers.values():
-        w.flush()
+    dropped = _tokenize(docs, tok, ngrams, writers, settings, out, workers, dropped)
     if writers["train"].docs == 0:
         if writers["val"].docs == 0:
             raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
@@ -284,3 +249,63 @@ def prepare(
     write_manifest(out, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest
+
+
+def _tokenize(
+    docs: Iterator[Document],
+    tok: Tokenizer,
+    ngrams: frozenset[int],
+    writers: dict[str, ShardWriter],
+    settings: dict[str, Any],
+    out: Path,
+    workers: int | None,
+    dropped: int,
+) -> int:
+    """Tokenize the documents not yet in a shard into the writers, saving progress after each shard; returns
+    the count of training documents dropped as contaminated."""
+    start = min(w.next_doc for w in writers.values())
+
+    def jobs() -> Iterator[tuple[int, str, str]]:
+        for index, (name, text) in enumerate(_nonempty(docs)):
+            split = "val" if is_validation(name, index, settings["val_fraction"], settings["seed"]) else "train"
+            if index >= start and index >= writers[split].next_doc:
+                yield index, split, text
+
+    def save_progress() -> None:
+        state = {
+            "settings": settings,
+            "dropped_before_last_shard": dropped,
+            "shards": [s for w in writers.values() for s in w.shards],
+        }
+        atomic_write(out / PROGRESS, json.dumps(state))
+
+    spec = str(tok.path) if tok.path else tok.name
+    source = settings["source"]
+    bar = tqdm(total=source_bytes(source), desc=f"prepare {source}", unit="B", unit_scale=True, disable=None)
+    with mp.get_context("spawn").Pool(workers or os.cpu_count() or 1, _init_worker, (spec, ngrams)) as pool:
+        for batch, tokens in pool.imap(_encode, _batched(jobs())):
+            offset = 0
+            for index, split, n_tokens, n_bytes in batch:
+                if n_tokens < 0:
+                    dropped += 1
+                    continue
+                if writers[split].add(index, tokens[offset : offset + n_tokens], n_bytes):
+                    save_progress()
+                offset += n_tokens
+                bar.update(n_bytes)
+            bar.set_postfix(
+                docs=writers["train"].docs + writers["val"].docs, tokens=writers["train"].tokens, refresh=False
+            )
+    bar.close()
+    for w in writers.values():
+        w.flush()
+    return dropped
+
+
+def describe(manifest: dict[str, Any], out_dir: str | Path) -> str:
+    """What `gptforge prepare` wrote, a line per split."""
+    lines = [
+        f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB"
+        for split, s in manifest["splits"].items()
+    ]
+    return "\n".join([*lines, f"wrote {len(manifest['shards'])} shard(s) and manifest.json to {out_dir}"])

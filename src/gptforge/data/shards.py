@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gptforge.errors import GptforgeError
+from gptforge.files import atomic_write, write_json
 
 MAGIC = 20240520
 HEADER_INTS = 256
@@ -27,27 +28,13 @@ def dtype_for_vocab(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
-def atomic_write_bytes(path: Path, chunks: list[bytes | memoryview]) -> None:
-    """Write to a temp file beside `path`, fsync, then rename: readers never see a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_shard(path: Path, tokens: np.ndarray) -> str:
     """Write one shard atomically; returns the file's sha256."""
     version = {np.dtype(np.uint16): 1, np.dtype(np.uint32): 2}[tokens.dtype]
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, version, len(tokens))
     data = [header.tobytes(), memoryview(np.ascontiguousarray(tokens))]
-    atomic_write_bytes(path, data)
+    atomic_write(path, data)
     digest = hashlib.sha256()
     for chunk in data:
         digest.update(chunk)
@@ -96,7 +83,7 @@ def _read_bin(path: Path) -> np.ndarray:
 
 
 def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(data_dir / MANIFEST, [json.dumps(manifest, indent=2).encode()])
+    write_json(data_dir / MANIFEST, manifest)
 
 
 def foreign_manifest(data_dir: Path) -> dict[str, Any] | None:

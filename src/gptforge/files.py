@@ -1,0 +1,102 @@
+"""The one place that writes files users keep: whole files or whole folders appear at once, never half-written.
+
+Also the shared readers: `open_text` (plain or gzip) and `read_jsonl` (errors name file:line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from gptforge.errors import GptforgeError
+
+
+def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryview]) -> Path:
+    """Write to a temp file beside `path`, fsync, then rename: readers see the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | Path, value: Any) -> Path:
+    return atomic_write(path, json.dumps(value, indent=2))
+
+
+def temp_dir_path(final: Path) -> Path:
+    """Where `final`'s replacement is built: a hidden folder beside it, so the rename stays on one filesystem."""
+    return final.with_name(f".{final.name}.tmp")
+
+
+def temp_dir_for(final: Path) -> Path:
+    """A fresh `temp_dir_path(final)` (a crash's leftover is cleared)."""
+    tmp = temp_dir_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def swap_dir(tmp: Path, final: Path) -> Path:
+    """Put the complete folder `tmp` at `final`; an old `final` is moved aside first and deleted only after."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    return final
+
+
+@contextlib.contextmanager
+def building_dir(final: str | Path) -> Iterator[Path]:
+    """Yield a temp folder to fill; on success it replaces `final` with `swap_dir`, on error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir_for(final)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    swap_dir(tmp, final)
+
+
+def open_text(path: str | Path) -> TextIO:
+    """A UTF-8 text file, gunzipped on the fly when it ends in .gz."""
+    path = Path(path)
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages."""
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                where = f"{path}:{lineno}"
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise GptforgeError(f"{where}: not JSON ({e})") from None
+
+
+def append_jsonl(path: str | Path, record: Any) -> None:
+    """Add one line to an append-only log (metrics, samples): a crash can cut only the line being written."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")

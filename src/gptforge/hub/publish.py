@@ -1,0 +1,43 @@
+"""What `gptforge export` / `import` and training's `checkpoint.push` do: checkpoint <-> HF folder, then git."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
+from gptforge.config import Config
+from gptforge.data.tokenizer import Tokenizer, load_tokenizer
+from gptforge.hub.convert import export_hf, import_hf
+from gptforge.hub.git import push_folder
+from gptforge.model.gpt import GPT
+
+
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, push: str = "", branch: str = "", message: str = ""
+) -> list[str]:
+    """`gptforge export`: a checkpoint (or a run's newest) as an HF folder, optionally committed to `push`
+    on `branch` (default: the run folder's name); returns what was done, a line each."""
+    model, tok, _, meta = load_checkpoint(checkpoint)
+    out = export_hf(model, tok, out_dir)
+    done = [f"wrote {out} (config.json, model.safetensors, tokenizer files)"]
+    if push:
+        branch = branch or resolve_checkpoint(checkpoint).parent.parent.name
+        commit = push_folder(out, push, branch, message or f"step {meta['step']}")
+        done.append(f"pushed {commit[:12]} to {push} branch {branch}")
+    return done
+
+
+def export_and_push(model: GPT, tokenizer: Tokenizer, remote: str, branch: str, message: str) -> str:
+    """Export a model as a Hugging Face folder and commit it to `branch` of `remote`; returns the commit."""
+    with tempfile.TemporaryDirectory(prefix="gptforge-export-") as tmp:
+        return push_folder(export_hf(model, tokenizer, Path(tmp) / "model"), remote, branch, message)
+
+
+def import_checkpoint(hf_dir: str | Path, out: str | Path) -> str:
+    """`gptforge import`: an HF GPT-2 folder as a gptforge checkpoint (no optimizer state, step 0)."""
+    model, tokenizer = import_hf(hf_dir)
+    tok = load_tokenizer(str(tokenizer))
+    meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}
+    path = write_checkpoint(Path(out), model, None, Config(model=model.config), tok, meta)
+    return f"wrote {path}: {model.num_params():,} parameters, tokenizer {tok.name}"

@@ -1,0 +1,85 @@
+"""Sampling with a KV cache: temperature, top-k, top-p, a seeded generator, stop at EOT, crop to the block size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from gptforge.model.gpt import GPT, KVCache
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token id per row of (B, V) logits; greedy when temperature is 0."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+        outside = probs.cumsum(dim=-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def stream(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    eot: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[torch.Tensor]:
+    """Yield a (num_samples,) tensor of new ids per step; rows that produced EOT keep yielding EOT.
+
+    The cache serves while the sequence fits the block size; past it every step recomputes the last
+    block_size tokens, exactly as the uncached path does, so both give the same tokens.
+    """
+    if not prompt:
+        raise ValueError("the prompt must have at least one token")
+    device = next(model.parameters()).device
+    block = model.config.block_size
+    idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
+    cache = KVCache(model.config, num_samples, device) if use_cache and len(prompt) < block else None
+    logits, _ = model(idx[:, -block:], cache=cache)
+    done = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+        if eot is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eot), nxt)
+            done |= nxt == eot
+        yield nxt
+        if bool(done.all()):
+            return
+        idx = torch.cat([idx, nxt[:, None]], dim=1)
+        if cache is not None and cache.pos < block:
+            logits, _ = model(nxt[:, None], cache=cache)
+        else:
+            cache = None
+            logits, _ = model(idx[:, -block:])
+
+
+def generate(model: GPT, prompt: list[int], max_new_tokens: int, num_samples: int = 1, **kwargs) -> list[list[int]]:
+    """New tokens (EOT and after dropped) for each of `num_samples` continuations of `prompt`."""
+    steps = list(stream(model, prompt, max_new_tokens, num_samples, **kwargs))
+    if not steps:
+        return [[] for _ in range(num_samples)]
+    tokens = torch.stack(steps, dim=1).tolist()
+    eot = kwargs.get("eot")
+    return [row[: row.index(eot)] if eot in row else row for row in tokens]

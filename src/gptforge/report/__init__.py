@@ -1,0 +1,1 @@
+"""Reading runs back: metrics.jsonl per kind, plots and markdown summaries."""

@@ -1,0 +1,83 @@
+"""`gptforge plot`: one PNG of a run's curves, or several runs overlaid for comparison.
+
+Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm with the GPT-2 / GPT-3 124M reference
+lines, learning rate, gradient norm, tokens/s.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from gptforge.errors import GptforgeError
+from gptforge.eval.hellaswag import GPT2_124M_ACC_NORM, GPT3_125M_ACC_NORM
+from gptforge.files import atomic_write
+from gptforge.train.metrics import read_metrics
+
+PANELS = ("loss", "val bits per byte", "HellaSwag acc_norm", "learning rate", "grad norm (pre-clip)", "tokens/s")
+
+
+def smooth(values: list[float], beta: float = 0.9) -> list[float]:
+    """Bias-corrected exponential moving average (TensorBoard-style)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta**i))
+    return out
+
+
+def _records(run_dir: Path) -> dict[str, list[dict]]:
+    by_kind = read_metrics(run_dir)
+    if not by_kind["train"] and not by_kind["val"]:
+        raise GptforgeError(f"{run_dir / 'metrics.jsonl'}: no train or val records to plot")
+    return by_kind
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tuple[Path, list[str]]:
+    """Write the PNG (default: the first run's loss.png) and return it with the titles of its panels."""
+    runs = [(Path(d), _records(Path(d))) for d in run_dirs]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    ax = dict(zip(PANELS, axes.flat, strict=True))
+    for i, (run_dir, rec) in enumerate(runs):
+        color, name = f"C{i}", run_dir.name
+        train, val, hs = rec["train"], rec["val"], rec["hellaswag"]
+        if train:
+            steps = [r["step"] for r in train]
+            losses = [r["loss"] for r in train]
+            ax["loss"].plot(steps, losses, color=color, alpha=0.2, linewidth=0.7)
+            ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
+            ax["learning rate"].plot(steps, [r["lr"] for r in train], color=color, label=name)
+            ax["grad norm (pre-clip)"].plot(steps, smooth([r["grad_norm"] for r in train]), color=color, label=name)
+            ax["tokens/s"].plot(steps, smooth([r["tokens_per_s"] for r in train]), color=color, label=name)
+        if val:
+            vsteps = [r["step"] for r in val]
+            ax["loss"].plot(vsteps, [r["loss"] for r in val], "o--", color=color, markersize=3, label=f"{name} val")
+            ax["val bits per byte"].plot(vsteps, [r["bpb"] for r in val], "o-", color=color, markersize=3, label=name)
+        if hs:
+            ax["HellaSwag acc_norm"].plot(
+                [r["step"] for r in hs], [r["acc_norm"] for r in hs], "o-", color=color, markersize=3, label=name
+            )
+    refs = ax["HellaSwag acc_norm"]
+    refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")
+    refs.axhline(GPT3_125M_ACC_NORM, color="black", linestyle=":", label=f"GPT-3 125M ({GPT3_125M_ACC_NORM:.1%})")
+    refs.axhline(0.25, color="lightgray", linewidth=0.8, label="chance (25%)")
+    for title, a in ax.items():
+        a.set_title(title)
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    ax["loss"].set_ylabel("cross-entropy (nats/token)")
+    fig.suptitle(" vs ".join(d.name for d, _ in runs))
+    fig.tight_layout()
+    out = Path(out) if out else runs[0][0] / "loss.png"
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write(out, png.getvalue())
+    return out, list(PANELS)

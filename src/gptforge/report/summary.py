@@ -1,0 +1,48 @@
+"""`gptforge report RUN_DIR`: a markdown summary of a run to paste into an issue or a paper."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from gptforge.files import atomic_write
+from gptforge.train.metrics import format_duration, read_metrics
+
+
+def run_report(run_dir: str | Path) -> str:
+    """Best val loss / perplexity / bpb, best HellaSwag, tokens, wall time, mean tokens/s and MFU, and the config;
+    also written to RUN_DIR/report.md."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    train, val, hs = records["train"], records["val"], records["hellaswag"]
+    lines = [f"# Run `{run_dir.name}`", "", "| metric | value |", "| --- | --- |"]
+    if train:
+        steady = train[1:] or train  # the first step pays for warm-up
+        lines += [
+            f"| steps | {train[-1]['step']:,} |",
+            f"| tokens seen | {train[-1]['tokens']:,} |",
+            f"| wall time (train records) | {format_duration(train[-1]['time'] - train[0]['time'])} |",
+            f"| mean tokens/s | {statistics.fmean(r['tokens_per_s'] for r in steady):,.0f} |",
+            f"| mean MFU | {statistics.fmean(r.get('mfu', 0.0) for r in steady):.1%} |",
+            f"| final train loss | {train[-1]['loss']:.4f} |",
+            f"| skipped (non-finite) steps | {train[-1].get('skipped', 0)} |",
+        ]
+    if val:
+        best = min(val, key=lambda r: r["loss"])
+        lines += [
+            f"| best val loss | {best['loss']:.4f} (step {best['step']:,}) |",
+            f"| best val perplexity | {best['ppl']:.2f} |",
+            f"| best val bits/byte | {best['bpb']:.4f} |",
+            f"| final val loss | {val[-1]['loss']:.4f} (step {val[-1]['step']:,}) |",
+        ]
+    if hs:
+        best = max(hs, key=lambda r: r["acc_norm"])
+        lines.append(
+            f"| best HellaSwag acc_norm | {best['acc_norm']:.4f} (step {best['step']:,}, {best['n']} examples) |"
+        )
+    config = run_dir / "config.toml"
+    if config.is_file():
+        lines += ["", "## Config", "", "```toml", config.read_text().strip(), "```"]
+    text = "\n".join(lines) + "\n"
+    atomic_write(run_dir / "report.md", text)
+    return text

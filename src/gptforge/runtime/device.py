@@ -1,0 +1,64 @@
+"""Device and precision selection shared by training, evaluation and sampling."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gptforge.errors import GptforgeError
+from gptforge.runtime.allocator import keep_freed_memory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto picks cuda, then mps, then cpu."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GptforgeError(f"train.device={name!r}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GptforgeError(f"train.device={name!r}: CUDA is not available on this machine")
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    """oneDNN reports native bf16 (AVX512-BF16 / AMX) where bf16 matmuls beat fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu" and cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise GptforgeError(f"train.dtype={name!r}: expected one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed-precision context; a no-op for float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def setup_fast_math(device: torch.device) -> None:
+    if device.type == "cpu":
+        keep_freed_memory()  # a no-op after the first call (the CLI makes it before torch loads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

@@ -1,0 +1,1 @@
+"""Training: the loop (`trainer.py`) and the named pieces it calls."""

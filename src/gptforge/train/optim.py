@@ -1,0 +1,77 @@
+"""AdamW with GPT-3 parameter groups, and learning-rate schedules as pure functions."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from gptforge.config import OptimConfig
+from gptforge.errors import GptforgeError
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, device_type: str, zero: bool = False
+) -> torch.optim.Optimizer:
+    """Weight decay on >=2-D weights (matmuls, embeddings) only; fused AdamW on CUDA; `zero` shards its state
+    across the processes of the (initialized) process group."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **({"fused": True} if fused else {})}
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def warmup_lr(step: int, max_lr: float, warmup_steps: int) -> float:
+    """Linear warm-up: max_lr / warmup_steps at step 0, max_lr at step warmup_steps - 1 and after."""
+    return max_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+
+
+def cosine_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Linear warm-up to max_lr over warmup_steps, then cosine decay to min_lr at max_steps."""
+    if step < warmup_steps:
+        return warmup_lr(step, max_lr, warmup_steps)
+    if step >= max_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+def wsd_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float) -> float:
+    """Warm-up, stable at max_lr, then linear decay to min_lr over the last `decay_fraction` of the steps."""
+    if step < warmup_steps:
+        return warmup_lr(step, max_lr, warmup_steps)
+    decay_start = max_steps - int(decay_fraction * max_steps)
+    if step < decay_start:
+        return max_lr
+    progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+    return max_lr + progress * (min_lr - max_lr)
+
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """The learning rate of `step` under the configured schedule."""
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        return cosine_lr(step, cfg.lr, min_lr, cfg.warmup_steps, max_steps)
+    if cfg.schedule == "wsd":
+        return wsd_lr(step, cfg.lr, min_lr, cfg.warmup_steps, max_steps, cfg.decay_fraction)
+    if cfg.schedule == "constant":
+        return warmup_lr(step, cfg.lr, cfg.warmup_steps)
+    raise GptforgeError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr

@@ -1,0 +1,123 @@
+"""What a run trains with, built from its config: the resolved config, model, optimizer, scaler and step size.
+
+The trainer and `gptforge bench` both build through `build`, so the bench times the trainer's own setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gptforge.checkpoint import load_checkpoint
+from gptforge.config import Config
+from gptforge.data.shards import read_manifest
+from gptforge.data.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
+from gptforge.errors import GptforgeError
+from gptforge.model.gpt import GPT
+from gptforge.runtime.device import resolve_dtype, setup_fast_math
+from gptforge.runtime.distributed import DistEnv, wrap
+from gptforge.runtime.flops import peak_flops
+from gptforge.train.optim import build_optimizer, lr_at
+
+
+@dataclass
+class Data:
+    """The prepared corpus a run reads: its manifest and the tokenizer it was made with."""
+
+    manifest: dict[str, Any]
+    tokenizer: Tokenizer
+
+    @property
+    def has_val(self) -> bool:
+        return any(s["split"] == "val" for s in self.manifest["shards"])
+
+
+def open_data(cfg: Config) -> Data:
+    if not cfg.data.path:
+        raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
+    manifest = read_manifest(cfg.data.path)
+    return Data(manifest, load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path))
+
+
+def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str, torch.Tensor] | None]:
+    """The config the run trains with, and `train.init_from`'s weights if any; `cfg` itself is left unchanged.
+
+    The data decides the vocabulary; an init_from checkpoint decides the architecture (our execution options,
+    fused loss and activation checkpointing, stay ours).
+    """
+    model_cfg, weights = cfg.model, None
+    if cfg.train.init_from:
+        init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
+        if not same_tokenizer(init_tok, tokenizer):
+            raise GptforgeError(
+                f"train.init_from={cfg.train.init_from}: its tokenizer ({init_tok.name}, {init_tok.vocab_size}) "
+                f"differs from the data's ({tokenizer.name}, {tokenizer.vocab_size}); prepare the data with it"
+            )
+        execution = {"fused_loss": cfg.model.fused_loss, "activation_checkpointing": cfg.model.activation_checkpointing}
+        model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    lr_at(0, cfg.optim, 1)  # an unknown schedule fails now, not after the first evaluation
+    return dataclasses.replace(cfg, model=model_cfg), weights
+
+
+def grad_accumulation(cfg: Config, world: int) -> int:
+    """Micro-steps per optimizer step: what the processes' micro-batches leave of the global token batch."""
+    B, T = cfg.train.micro_batch, cfg.model.block_size
+    if B <= 0 or cfg.train.batch_tokens <= 0 or cfg.train.batch_tokens % (B * T * world):
+        raise GptforgeError(
+            f"train.batch_tokens={cfg.train.batch_tokens} must be a positive multiple of "
+            f"train.micro_batch x model.block_size x processes = {B} x {T} x {world}"
+        )
+    return cfg.train.batch_tokens // (B * T * world)
+
+
+@dataclass
+class TrainSetup:
+    model: GPT
+    """The weights: evaluation, sampling and checkpoints use this module."""
+    train_model: torch.nn.Module
+    """The same weights as trained: compiled and/or wrapped in DDP as the config asks."""
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    device: torch.device
+    dtype: torch.dtype
+    grad_accum: int
+    peak_flops: float
+    """Peak FLOP/s of one device, for MFU (0: unknown)."""
+    peak_source: str
+
+
+def build(
+    cfg: Config, env: DistEnv, device: torch.device, weights: dict[str, torch.Tensor] | None = None
+) -> TrainSetup:
+    """Model (seeded, the same on every rank), optimizer, loss scaler and step size for a resolved config."""
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    setup_fast_math(device)
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    grad_accum = grad_accumulation(cfg, env.world_size)
+    model = GPT(cfg.model)
+    if weights is not None:
+        model.load_state_dict(weights)
+    model.to(device)
+    train_model = wrap(torch.compile(model) if cfg.train.compile else model, env, device)
+    optimizer = build_optimizer(model, cfg.optim, device.type, zero=cfg.train.zero and env.distributed)
+    # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16 and device.type == "cuda")
+    peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
+    return TrainSetup(model, train_model, optimizer, scaler, device, dtype, grad_accum, peak, peak_source)
+
+
+def describe(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> str:
+    """The run header: model size and shape, devices and precision, how the token batch is made up."""
+    B, T = cfg.train.micro_batch, cfg.model.block_size
+    return (
+        f"model: {s.model.num_params():,} parameters, {s.model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
+        f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, context {T}, vocab {cfg.model.vocab_size} "
+        f"({tokenizer_name}) | {world} x {s.device} {str(s.dtype)[6:]}{' compiled' if cfg.train.compile else ''}\n"
+        f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
+        f"{world} process{'es' if world > 1 else ''} x {s.grad_accum} accumulation | "
+        f"MFU against {s.peak_flops / 1e12:,.1f} TFLOP/s ({s.peak_source})"
+    )

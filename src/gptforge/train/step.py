@@ -1,0 +1,53 @@
+"""One optimizer step over accumulated micro-batches: the step the trainer runs and `gptforge bench` times."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gptforge.runtime.device import autocast
+from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_mean
+
+
+def train_step(
+    train_model: Callable[..., tuple[Any, torch.Tensor]],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    accum: int,
+    grad_clip: float,
+    dtype: torch.dtype,
+    env: DistEnv = SINGLE,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step over `accum` micro-batches: (mean loss over ranks, pre-clip gradient norm, applied?).
+
+    A step whose loss or gradient is not finite is skipped, not applied.
+    """
+    device = next(model.parameters()).device
+    loss_accum = torch.zeros((), device=device)
+    for micro in range(accum):
+        x, y = next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # DDP all-reduces gradients in backward; only the last micro-step needs it.
+        last_micro = micro == accum - 1
+        with contextlib.nullcontext() if last_micro or not env.distributed else train_model.no_sync():
+            with autocast(device, dtype):
+                _, loss = train_model(x, y)
+                # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
+                loss = loss / accum
+            loss_accum += loss.detach()
+            scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    clip = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
+    all_reduce_mean(loss_accum, env)
+    finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss_accum))  # the one host sync per step
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_accum, norm, finite

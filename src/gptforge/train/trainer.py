@@ -1,0 +1,141 @@
+"""The training loop: GPT-3 recipe (AdamW, warm-up + cosine, accumulation, clipping), eval, checkpoints, logs.
+
+One process, or one per device under torchrun (DDP: gradients sync on the last micro-step only). Every rank
+runs this same loop; only rank 0 prints, logs and writes checkpoints (each rank adds its RNG state).
+The pieces it calls: `setup` (config -> model, optimizer, ...), `step` (one optimizer step), `state` (the
+counters a checkpoint keeps), `evaluator`, `checkpointer`, `stopping` (signals, time budget), `metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptforge.config import Config, to_dict, to_toml
+from gptforge.data.loader import TokenLoader
+from gptforge.data.prefetch import Prefetcher
+from gptforge.files import atomic_write
+from gptforge.runtime import distributed
+from gptforge.runtime.device import resolve_device
+from gptforge.train.checkpointer import Checkpointer
+from gptforge.train.evaluator import Evaluator
+from gptforge.train.metrics import MetricsLog, NullLog, format_duration
+from gptforge.train.optim import lr_at, set_lr
+from gptforge.train.setup import build, describe, open_data, resolve_config
+from gptforge.train.state import TrainState, ramp_accumulation
+from gptforge.train.step import train_step
+from gptforge.train.stopping import StopSignal, TimeBudget
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path
+    steps: int
+    tokens: int
+    seconds: float
+    first_val: dict[str, float] | None
+    last_val: dict[str, float] | None
+    config: Config
+    """The resolved config the run trained with (the data's vocabulary, init_from's architecture)."""
+
+
+def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainResult:
+    """Train with `cfg` into RUN_DIR; under torchrun each process calls this."""
+    env, device_name = distributed.init(cfg.train.device)
+    try:
+        with StopSignal() as stop, contextlib.ExitStack() as cleanup:
+            return _train(cfg, Path(run_dir), resume, env, resolve_device(device_name), stop, cleanup)
+    finally:
+        distributed.cleanup()
+
+
+def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
+    t_start = time.perf_counter()
+    print0 = print if env.is_main else (lambda *a, **k: None)
+    data = open_data(cfg)
+    cfg, init_weights = resolve_config(cfg, data.tokenizer)
+    s = build(cfg, env, device, init_weights)
+    print0(describe(cfg, s, data.tokenizer.name, env.world_size), flush=True)
+    B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
+    loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
+    state = TrainState(max_steps=cfg.train.max_steps)
+    checkpointer = Checkpointer(run_dir, cfg, data.tokenizer, s, env)
+    if resume:
+        resumed = checkpointer.restore(resume, state, loader)
+        print0(f"resumed from {resumed} at step {state.step}", flush=True)
+    metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
+    evaluate = Evaluator(cfg, s, data.tokenizer, data.has_val, metrics, run_dir, env)
+    budget = TimeBudget(cfg, data.has_val, env, device)
+
+    first_val = last_val = evaluate(state.step) if state.step == 0 else None
+    t_loop, step_loop = time.perf_counter(), state.step
+    s.model.train()
+    # Batches are read ahead on a thread; `batches.state_dict()` is the position after the last one trained on.
+    batches = cleanup.enter_context(Prefetcher(loader, pin_memory=device.type == "cuda"))
+    while state.step < state.max_steps:
+        t0 = time.perf_counter()
+        lr = set_lr(s.optimizer, lr_at(state.step, cfg.optim, state.max_steps))
+        accum = ramp_accumulation(state.tokens, s.grad_accum, cfg.train.batch_ramp_tokens)
+        loss, norm, applied = train_step(
+            s.train_model, s.model, s.optimizer, s.scaler, batches.next_batch, accum, cfg.optim.grad_clip, s.dtype, env
+        )
+        step_tokens = accum * B * T * world
+        state.advance(applied, step_tokens)
+        loss_value, norm_value, now = loss.item(), float(norm), time.perf_counter()
+        dt, elapsed = now - t0, now - t_start
+        if not applied:
+            print0(f"step {state.step}: non-finite loss or gradient ({loss_value}, norm {norm_value}): update skipped")
+            state.check_skips(cfg.train.max_skips, checkpointer.last_good)
+        state.max_steps = budget.fit_steps(state.step, state.max_steps, now, elapsed, evaluate.seconds)
+
+        mfu = s.model.flops_per_token(T) * step_tokens / dt / world / s.peak_flops if s.peak_flops else 0.0
+        metrics.write(
+            "train",
+            state.step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=norm_value,
+            ms=dt * 1000,
+            tokens=state.tokens,
+            tokens_per_s=step_tokens / dt,
+            mfu=mfu,
+            skipped=state.skipped,
+        )
+        if state.step % max(1, cfg.log.every) == 0 or state.step == state.max_steps:
+            eta = (time.perf_counter() - t_loop) / (state.step - step_loop) * (state.max_steps - state.step)
+            calibrating = budget.calibrating(state.step)
+            print0(
+                f"step {state.step:>6}/{'?' if calibrating else state.max_steps} | loss {loss_value:.4f} | "
+                f"lr {lr:.2e} | norm {norm_value:.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
+                f"MFU {mfu:.1%} | ETA {'calibrating' if calibrating else format_duration(eta)}",
+                flush=True,
+            )
+        if state.step < state.max_steps and evaluate.due(state.step):
+            last_val = evaluate(state.step)
+        if state.step < state.max_steps and checkpointer.due(state.step):
+            checkpointer.save(state, batches)
+        # Every rank must leave the loop at the same step.
+        why = budget.stop_vote(stop, elapsed)
+        if state.step < state.max_steps and why:
+            print0(f"stopping at step {state.step} on {why}: saving a checkpoint", flush=True)
+            break
+
+    last_val = evaluate(state.step) or last_val
+    final = checkpointer.save(state, batches)
+    seconds = time.perf_counter() - t_start
+    print0(
+        f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(seconds)}; saved {final}", flush=True
+    )
+    return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
+
+
+def _open_metrics(cfg: Config, run_dir: Path, env: distributed.DistEnv) -> MetricsLog | NullLog:
+    """Rank 0 writes the resolved config.toml and logs metrics; other ranks log nowhere."""
+    if not env.is_main:
+        return NullLog()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.toml", to_toml(cfg))
+    return MetricsLog(run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg))

@@ -1,0 +1,41 @@
+import pytest
+
+from gptforge.data.tokenizer import load_tokenizer, train_bpe
+from gptforge.errors import GptforgeError
+
+
+def test_gpt2_ids_match_openai():
+    tok = load_tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.eot == 50256
+    assert tok.vocab_size == 50257
+
+
+def test_round_trip_of_code_and_unicode():
+    tok = load_tokenizer("gpt2")
+    text = "def f(x):\n    return x ** 2  # naïve ✓\n\tpass\n"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_literal_eot_text_is_not_the_eot_token():
+    tok = load_tokenizer("gpt2")
+    assert tok.eot not in tok.encode("<|endoftext|>")
+
+
+def test_trained_bpe_round_trips_and_keeps_eot_literal(tmp_path):
+    texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "héllo wörld ✓\n"] * 20
+    tok = train_bpe(texts, 300, tmp_path / "tok.json")
+    assert tok.eot == 0 and 257 <= tok.vocab_size <= 300
+    for text in [*texts[:3], "unseen → text\t\r\n"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eot not in tok.encode("<|endoftext|>")
+    again = load_tokenizer("tok.json", tmp_path)
+    assert again.encode(texts[0]) == tok.encode(texts[0]) and again.name == "tok.json"
+
+
+def test_unknown_or_bad_tokenizer(tmp_path):
+    with pytest.raises(GptforgeError, match="unknown tokenizer 'nope'"):
+        load_tokenizer("nope")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(GptforgeError, match=r"bad\.json: not a tokenizer file"):
+        load_tokenizer("bad.json", tmp_path)

@@ -1,0 +1,199 @@
+"""Hugging Face interop: logit parity after import and export, round trips, tokenizer files, publishing."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from gptforge.checkpoint import load_checkpoint
+from gptforge.cli import main
+from gptforge.data.tokenizer import load_tokenizer, train_bpe
+from gptforge.errors import GptforgeError
+from gptforge.hub.convert import export_hf, import_hf
+from gptforge.model.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(vocab_size=50257, seed=0, **kw):
+    torch.manual_seed(seed)
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, **kw}
+    cfg = transformers.GPT2Config(vocab_size=vocab_size, bos_token_id=50256, eos_token_id=50256, **shape)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # HF zero-inits biases; random ones make the parity test see every tensor
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model
+
+
+def hf_logits(model, idx):
+    with torch.no_grad():
+        return model(idx).logits
+
+
+def our_logits(model, idx):
+    """Full-sequence logits: score every position against dummy targets."""
+    with torch.no_grad():
+        logits, _ = model(idx, all_logits=True)
+    return logits
+
+
+@pytest.mark.parametrize("safetensors", [True, False])
+def test_import_matches_transformers_logits(tmp_path, safetensors):
+    ref = hf_model(seed=1)
+    if safetensors:
+        ref.save_pretrained(tmp_path / "hf")
+    else:
+        (tmp_path / "hf").mkdir()
+        ref.config.to_json_file(tmp_path / "hf" / "config.json")
+        state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+        torch.save(state, tmp_path / "hf" / "pytorch_model.bin")
+    model, tokenizer = import_hf(tmp_path / "hf")
+    assert tokenizer == "gpt2" and model.config.padded_vocab_size == 50304
+    idx = torch.randint(0, 50257, (2, 40))
+    torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-4, rtol=1e-4)
+
+
+def test_export_loads_in_transformers_with_equal_logits_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64)).eval()
+    out = export_hf(ours, load_tokenizer("gpt2"), tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    idx = torch.randint(0, 50257, (2, 64))
+    torch.testing.assert_close(hf_logits(ref, idx), our_logits(ours, idx), atol=1e-4, rtol=1e-4)
+    assert ref.config.vocab_size == 50257  # padding dropped
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("Hello world")["input_ids"] == [15496, 995] and tok.eos_token_id == 50256
+
+    back, tokenizer = import_hf(out)
+    assert tokenizer == "gpt2"
+    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values(), strict=True):
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            a, b = a[:50257], b[:50257]
+        assert torch.equal(a, b), name
+
+
+def test_trained_tokenizer_exports_and_imports(tmp_path):
+    texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n"] * 30
+    tok = train_bpe(texts, 300, tmp_path / "tokenizer.json")
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(block_size=32, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16)).eval()
+    out = export_hf(ours, tok, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(texts[0])["input_ids"] == tok.encode(texts[0])
+    assert hf_tok.eos_token_id == tok.eot
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    idx = torch.tensor([tok.encode(texts[0] + texts[1])[:32]])
+    torch.testing.assert_close(hf_logits(ref, idx), our_logits(ours, idx), atol=1e-4, rtol=1e-4)
+
+    assert main(["import", str(out), "--out", str(tmp_path / "ckpt")]) == 0
+    model, ckpt_tok, _, _ = load_checkpoint(tmp_path / "ckpt")
+    assert ckpt_tok.encode(texts[1]) == tok.encode(texts[1])
+    torch.testing.assert_close(our_logits(model, idx), our_logits(ours, idx))
+
+
+def test_unsupported_hf_variant_is_refused(tmp_path):
+    hf_model(activation_function="relu").save_pretrained(tmp_path / "hf")
+    with pytest.raises(GptforgeError, match="activation_function='relu' is not supported"):
+        import_hf(tmp_path / "hf")
+    with pytest.raises(GptforgeError, match="no config.json"):
+        import_hf(tmp_path)
+
+
+def test_cli_import_then_export_then_sample(tmp_path, capsys):
+    hf_model(seed=2).save_pretrained(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "again")]) == 0
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    idx = torch.randint(0, 50257, (1, 30))
+    torch.testing.assert_close(hf_logits(a, idx), hf_logits(b, idx), atol=1e-5, rtol=1e-5)
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "ckpt"), "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("--- sample 0\nHello")
+
+
+def git(*args, cwd=None):
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+def test_export_push_commits_one_branch_per_run(tmp_path):
+    remote = tmp_path / "models.git"
+    git("init", "--quiet", "--bare", str(remote))
+    torch.manual_seed(0)
+    from gptforge.checkpoint import save_checkpoint
+    from gptforge.config import Config
+
+    cfg = Config(model=GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=1, n_embd=8))
+    model = GPT(cfg.model)
+    tok = load_tokenizer("gpt2")
+    for step in (1, 2):
+        ckpt = save_checkpoint(tmp_path / "run-a", step, model, None, cfg, tok)
+        args = ["export", str(ckpt), "--out", str(tmp_path / f"hf{step}"), "--push", str(remote)]
+        assert main(args) == 0
+    log = git("log", "--format=%s", "run-a", cwd=remote).split()
+    assert log == ["step", "2", "step", "1"]
+    clone = tmp_path / "clone"
+    git("clone", "--quiet", "--branch", "run-a", str(remote), str(clone))
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt"} <= {p.name for p in clone.iterdir()}
+    assert json.loads((clone / "config.json").read_text())["n_embd"] == 8
+
+
+@pytest.mark.slow
+def test_real_124m_shape_imports_with_parity(tmp_path):
+    ref = hf_model(n_layer=12, n_head=12, n_embd=768, n_positions=1024)
+    ref.save_pretrained(tmp_path / "hf")
+    model, _ = import_hf(tmp_path / "hf")
+    assert model.num_params() == 124_439_808
+    idx = torch.randint(0, 50257, (1, 128))
+    torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-4, rtol=1e-4)
+
+
+def test_training_starts_from_an_imported_model(tmp_path, data_dir):
+    from gptforge.config import load_config
+    from gptforge.eval.loss import evaluate_loss
+    from gptforge.train.trainer import train
+
+    hf_model(seed=3, n_positions=32).save_pretrained(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    imported, _, _, _ = load_checkpoint(tmp_path / "ckpt")
+    expected = evaluate_loss(imported, data_dir, 4, 32, 512, torch.device("cpu"), torch.float32)["loss"]
+    # model.n_layer=5 must lose: the checkpoint's model section replaces the preset's.
+    cfg = load_config(
+        "tiny",
+        [f"data.path={data_dir}", f"train.init_from={tmp_path / 'ckpt'}", "train.max_steps=2", "model.n_layer=5"],
+    )
+    result = train(cfg, tmp_path / "run")
+    assert result.config.model.n_layer == 2
+    assert result.first_val["loss"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_init_from_with_another_tokenizer_is_refused(tmp_path, data_dir):
+    from gptforge.config import load_config
+    from gptforge.train.trainer import train
+
+    tok = train_bpe(["def f(x):\n    return x\n"] * 20, 300, tmp_path / "tokenizer.json")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16))
+    export_hf(model, tok, tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    cfg = load_config("tiny", [f"data.path={data_dir}", f"train.init_from={tmp_path / 'ckpt'}"])
+    with pytest.raises(GptforgeError, match="differs from the data's"):
+        train(cfg, tmp_path / "run")
+
+
+def test_training_pushes_every_checkpoint(tmp_path, data_dir):
+    from gptforge.config import load_config
+    from gptforge.train.trainer import train
+
+    remote = tmp_path / "models.git"
+    git("init", "--quiet", "--bare", str(remote))
+    cfg = load_config(
+        "tiny", [f"data.path={data_dir}", "train.max_steps=4", "checkpoint.every=2", f"checkpoint.push={remote}"]
+    )
+    train(cfg, tmp_path / "run-b")
+    assert git("log", "--format=%s", "run-b", cwd=remote).splitlines() == ["step 4", "step 2"]
+    shown = git("show", "run-b:config.json", cwd=remote)
+    assert json.loads(shown)["n_layer"] == 2

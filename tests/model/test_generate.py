@@ -1,0 +1,62 @@
+import torch
+
+from gptforge.model.generate import generate, sample_next, stream
+from gptforge.model.gpt import GPT, GPTConfig
+
+
+def tiny(block_size=16, vocab_size=1000):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+def test_cache_gives_the_same_greedy_tokens_also_past_the_block_size():
+    model = tiny(block_size=16)
+    prompt = [5, 17, 300, 2, 999]
+    for new in (3, 11, 30):  # within, exactly to, and well past the block size
+        cached = generate(model, prompt, new, temperature=0, use_cache=True)
+        uncached = generate(model, prompt, new, temperature=0, use_cache=False)
+        assert cached == uncached and len(cached[0]) == new
+
+
+def test_cached_logits_match_a_full_forward():
+    model = tiny()
+    idx = torch.randint(0, 1000, (2, 12))
+    full = model(idx, all_logits=True)[0]
+    from gptforge.model.gpt import KVCache
+
+    cache = KVCache(model.config, 2, torch.device("cpu"))
+    with torch.no_grad():
+        step_logits = [model(idx[:, :8], cache=cache)[0][:, -1]]
+        step_logits += [model(idx[:, t : t + 1], cache=cache)[0][:, -1] for t in range(8, 12)]
+    torch.testing.assert_close(torch.stack(step_logits, 1), full[:, 7:12].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_vocabulary_is_never_sampled():
+    model = tiny(vocab_size=1000)  # padded to 1024
+    with torch.no_grad():
+        # Make the padded rows dominate every logit if they were ever scored.
+        model.transformer.wte.weight[1000:] = 50 * model.transformer.ln_f.bias.sign() + 50
+    g = torch.Generator().manual_seed(0)
+    for top_k, top_p in ((None, None), (50, None), (None, 0.9), (20, 0.5)):
+        out = generate(model, [1, 2, 3], 40, num_samples=4, temperature=1.5, top_k=top_k, top_p=top_p, generator=g)
+        assert all(0 <= t < 1000 for row in out for t in row)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    seen = {int(sample_next(logits, 1.0, None, 0.7, g)) for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+    assert {int(sample_next(logits, 1.0, None, 0.4, g)) for _ in range(50)} == {0}
+
+
+def test_seeded_sampling_is_reproducible_and_stops_at_eot():
+    model = tiny()
+    a = generate(model, [1, 2], 20, num_samples=3, generator=torch.Generator().manual_seed(7))
+    b = generate(model, [1, 2], 20, num_samples=3, generator=torch.Generator().manual_seed(7))
+    assert a == b
+    eot = a[0][2]
+    stopped = generate(model, [1, 2], 20, num_samples=3, eot=eot, generator=torch.Generator().manual_seed(7))
+    assert stopped[0] == a[0][:2]  # everything from the EOT on is dropped
+    steps = list(stream(model, [1, 2], 20, 3, eot=eot, generator=torch.Generator().manual_seed(7)))
+    assert all(int(s[0]) == eot for s in steps[2:])

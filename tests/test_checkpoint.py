@@ -1,0 +1,60 @@
+"""Checkpoint folders: crash-safe writes, RNG state."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gptforge.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gptforge.model.gpt import GPT
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path):
+    writer = f"""
+import torch
+from gptforge.checkpoint import save_checkpoint
+from gptforge.config import Config
+from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.data.tokenizer import load_tokenizer
+cfg = Config(model=GPTConfig(block_size=64, vocab_size=50257, n_layer=4, n_head=4, n_embd=256))
+model, tok = GPT(cfg.model), load_tokenizer("gpt2")
+opt = torch.optim.AdamW(model.parameters())
+model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+opt.step()
+step = 0
+while True:
+    step += 1
+    save_checkpoint({str(tmp_path)!r}, step, model, opt, cfg, tok, {{"tokens": 0, "max_steps": 0, "loader": {{}}}})
+    print(step, flush=True)
+"""
+    for delay in (0.03, 0.11, 0.27, 0.5):  # staggered so the kills land in different phases of a write
+        proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # the first checkpoint is complete
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        ckpt = latest_checkpoint(tmp_path)
+        assert ckpt is not None
+        model, _, _, meta = load_checkpoint(ckpt)
+        torch.load(ckpt / "optimizer.pt", weights_only=True)
+        assert meta["step"] >= 1 and model.config.n_embd == 256
+
+
+def test_checkpoint_holds_rng_state(tmp_path):
+    from gptforge.config import Config
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model.gpt import GPTConfig
+
+    cfg = Config(model=GPTConfig(block_size=8, vocab_size=50257, n_layer=1, n_head=1, n_embd=8))
+    torch.manual_seed(123)
+    ckpt = save_checkpoint(tmp_path, 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"))
+    expected = torch.rand(3)
+    state = torch.load(ckpt / "rng_rank0.pt", weights_only=True)
+    torch.manual_seed(0)
+    from gptforge.checkpoint import set_rng_state
+
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), expected)

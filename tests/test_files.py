@@ -1,0 +1,67 @@
+"""files.py: writes are all-or-nothing, folders are replaced only by complete ones, JSONL errors name file:line."""
+
+import gzip
+
+import pytest
+
+from gptforge.errors import GptforgeError
+from gptforge.files import append_jsonl, atomic_write, building_dir, open_text, read_jsonl, swap_dir, temp_dir_for
+
+
+def test_atomic_write_replaces_whole_and_leaves_no_temp_file(tmp_path):
+    target = tmp_path / "a.json"
+    atomic_write(target, "old")
+    atomic_write(target, [b"new ", memoryview(b"bytes")])
+    assert target.read_text() == "new bytes"
+
+    class Boom(Exception):
+        pass
+
+    def chunks():
+        yield b"partial"
+        raise Boom
+
+    with pytest.raises(Boom):
+        atomic_write(target, chunks())
+    assert target.read_text() == "new bytes"  # the old file survives a failed write
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_swap_dir_puts_the_new_folder_in_place_of_the_old(tmp_path):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    tmp = temp_dir_for(final)
+    (tmp / "new.txt").write_text("new")
+    swap_dir(tmp, final)
+    assert [p.name for p in final.iterdir()] == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_building_dir_keeps_the_old_folder_when_building_fails(tmp_path):
+    final = tmp_path / "export"
+    with building_dir(final) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (final / "config.json").read_text() == "{}"
+    with pytest.raises(RuntimeError), building_dir(final) as tmp:
+        (tmp / "config.json").write_text("half")
+        raise RuntimeError("crash mid-export")
+    assert (final / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_read_jsonl_skips_blank_lines_reads_gzip_and_names_the_bad_line(tmp_path):
+    plain = tmp_path / "a.jsonl"
+    append_jsonl(plain, {"x": 1})
+    with open(plain, "a") as f:
+        f.write("\n")
+    append_jsonl(plain, {"x": 2})
+    assert [r["x"] for _, r in read_jsonl(plain)] == [1, 2]
+    packed = tmp_path / "a.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert [where for where, _ in read_jsonl(packed)] == [f"{packed}:1", f"{packed}:3"]
+    with open_text(packed) as f:
+        assert f.read() == plain.read_text()
+    plain.write_text('{"x": 1}\n{"x": \n')
+    with pytest.raises(GptforgeError, match=rf"{plain}:2: not JSON"):
+        list(read_jsonl(plain))

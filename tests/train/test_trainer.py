@@ -1,0 +1,151 @@
+"""The training loop end to end on the tiny preset: artifacts, resume, budget, stability, compile, batch ramp."""
+
+import json
+import math
+
+import pytest
+import torch
+from tests.helpers import losses
+
+from gptforge.checkpoint import latest_checkpoint, load_checkpoint
+from gptforge.config import load_config
+from gptforge.errors import GptforgeError
+from gptforge.model.gpt import GPT
+from gptforge.train.trainer import train
+
+
+def tiny_cfg(data_dir, *overrides):
+    return load_config("tiny", [f"data.path={data_dir}", *overrides])
+
+
+def test_loss_falls_and_artifacts_are_written(data_dir, tmp_path):
+    cfg = tiny_cfg(data_dir, "train.max_steps=40", "eval.every=20", "optim.lr=1e-2", "optim.warmup_steps=5")
+    result = train(cfg, tmp_path / "run")
+    assert result.steps == 40 and result.tokens == 40 * 256
+    assert result.first_val["loss"] == pytest.approx(math.log(50257), abs=0.3)  # untrained ~ uniform
+    assert result.last_val["loss"] < result.first_val["loss"] - 4.0  # the templated corpus is easy
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(train_losses) == 40 and sum(train_losses[-5:]) / 5 < train_losses[0] - 4.0
+    assert [r["step"] for r in records if r["kind"] == "val"] == [0, 20, 40]
+    assert (tmp_path / "run" / "config.toml").is_file()
+    assert len((tmp_path / "run" / "samples.jsonl").read_text().splitlines()) == 3
+    assert latest_checkpoint(tmp_path / "run") == result.checkpoint
+
+
+def test_checkpoint_reloads_to_the_same_model(data_dir, tmp_path):
+    result = train(tiny_cfg(data_dir, "train.max_steps=3"), tmp_path / "run")
+    model, tok, cfg, meta = load_checkpoint(result.checkpoint)
+    assert meta["step"] == 3 and tok.name == "gpt2" and cfg.model.vocab_size == 50257
+    x = torch.randint(0, 50257, (2, 16))
+    _, loss = model(x, x)
+    assert torch.isfinite(loss)
+    assert not any(p.name.startswith(".") for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_resume_continues_where_it_stopped(data_dir, tmp_path):
+    straight = train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3"), tmp_path / "a")
+    train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3"), tmp_path / "b")
+    # Drop the final checkpoint and metrics, then resume from step 3.
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000006")
+    (tmp_path / "b" / "metrics.jsonl").unlink()
+    resumed = train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3"), tmp_path / "b", resume="auto")
+    a, _, _, _ = load_checkpoint(straight.checkpoint)
+    b, _, _, _ = load_checkpoint(resumed.checkpoint)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_time_budget_cuts_the_step_count(data_dir, tmp_path):
+    result = train(tiny_cfg(data_dir, "train.max_steps=100000", "train.time_budget=4", "eval.every=0"), tmp_path / "r")
+    assert 5 <= result.steps < 100000
+    assert result.seconds < 15
+
+
+def test_batch_must_divide(data_dir, tmp_path):
+    with pytest.raises(GptforgeError, match="train.batch_tokens=100 must be a positive multiple"):
+        train(tiny_cfg(data_dir, "train.batch_tokens=100"), tmp_path / "r")
+
+
+def test_missing_data(tmp_path):
+    with pytest.raises(GptforgeError, match="no manifest.json"):
+        train(tiny_cfg(tmp_path / "nowhere"), tmp_path / "r")
+
+
+def test_non_finite_steps_are_skipped_then_stop(data_dir, tmp_path, monkeypatch):
+    original = GPT.forward
+    poisoned = {"calls": 0}
+
+    def forward(self, idx, targets=None, cache=None):
+        logits, loss = original(self, idx, targets, cache)
+        if self.training and loss is not None:
+            poisoned["calls"] += 1
+            if poisoned["calls"] in poisoned["bad"]:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    poisoned["bad"] = {3, 4}  # step 2's two micro-batches
+    result = train(load_config("tiny", [f"data.path={data_dir}", "train.max_steps=6"]), tmp_path / "a")
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [r["skipped"] for r in train_records] == [0, 1, 1, 1, 1, 1]
+    assert math.isfinite(result.last_val["loss"])
+
+    poisoned["calls"], poisoned["bad"] = 0, set(range(1000))
+    cfg = load_config("tiny", [f"data.path={data_dir}", "train.max_steps=20", "train.max_skips=3"])
+    with pytest.raises(GptforgeError, match=r"3 steps in a row .* the last at step 3; last good checkpoint: none"):
+        train(cfg, tmp_path / "b")
+
+
+def test_gpt2_124m_preset_starts_on_cpu(data_dir, tmp_path):
+    small = [
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "train.micro_batch=4",
+        "train.batch_tokens=256",
+        "train.max_steps=2",
+        "train.compile=false",
+        "eval.tokens=256",
+        "train.dtype=float32",
+        f"data.path={data_dir}",
+    ]
+    cfg = load_config("gpt2-124m", small)
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio) == (6e-4, 715, 0.1)
+    assert (cfg.eval.every, cfg.checkpoint.every) == (250, 5000)
+    assert load_config("gpt2-124m").train.batch_tokens == 524_288 == 64 * 1024 * 8
+    result = train(cfg, tmp_path / "r")
+    assert result.steps == 2
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_and_keeps_eval_and_sampling(data_dir, tmp_path):
+    base = [f"data.path={data_dir}", "train.max_steps=3"]
+    eager = train(load_config("tiny", base), tmp_path / "eager")
+    compiled = train(load_config("tiny", [*base, "train.compile=true"]), tmp_path / "compiled")
+    a, b = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert all(abs(a[s] - b[s]) < 1e-4 for s in a)
+    assert compiled.last_val["loss"] == pytest.approx(eager.last_val["loss"], abs=1e-4)
+    assert len((tmp_path / "compiled" / "samples.jsonl").read_text().splitlines()) == 2
+
+
+def test_batch_ramp_grows_the_step(data_dir, tmp_path):
+    cfg = load_config(
+        "tiny",
+        [
+            f"data.path={data_dir}",
+            "train.max_steps=5",
+            "train.batch_tokens=512",
+            "train.batch_ramp_tokens=600",
+            "eval.every=0",
+        ],
+    )
+    result = train(cfg, tmp_path / "r")
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    tokens = [r["tokens"] for r in records if r["kind"] == "train"]
+    # 128 tokens per micro-batch, up to 4: ceil(4 * (seen + 1) / 600) micro-batches per step.
+    assert tokens == [128, 256, 512, 1024, 1536] and result.tokens == 1536  # 1, 1, 2, 4, 4 micro-batches
