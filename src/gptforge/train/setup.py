@@ -110,7 +110,7 @@ def build(
     return TrainSetup(model, train_model, optimizer, scaler, device, dtype, grad_accum, peak, peak_source)
 
 
-def describe(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> str:
+def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> str:
     """The run header: model size and shape, devices and precision, how the token batch is made up."""
     B, T = cfg.train.micro_batch, cfg.model.block_size
     return (

@@ -23,7 +23,7 @@ from gptforge.train.checkpointer import Checkpointer
 from gptforge.train.evaluator import Evaluator
 from gptforge.train.metrics import MetricsLog, NullLog, format_duration
 from gptforge.train.optim import lr_at, set_lr
-from gptforge.train.setup import build, describe, open_data, resolve_config
+from gptforge.train.setup import build, open_data, resolve_config, run_header
 from gptforge.train.state import TrainState, ramp_accumulation
 from gptforge.train.step import train_step
 from gptforge.train.stopping import StopSignal, TimeBudget
@@ -58,7 +58,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     data = open_data(cfg)
     cfg, init_weights = resolve_config(cfg, data.tokenizer)
     s = build(cfg, env, device, init_weights)
-    print0(describe(cfg, s, data.tokenizer.name, env.world_size), flush=True)
+    print0(run_header(cfg, s, data.tokenizer.name, env.world_size), flush=True)
     B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
     loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
     state = TrainState(max_steps=cfg.train.max_steps)
