@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

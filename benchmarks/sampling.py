@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from gptforge.runtime.allocator import keep_freed_memory
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, MODEL_PRESETS, GPTConfig
+from gptforge.runtime.allocator import keep_freed_memory
 from gptforge.runtime.device import resolve_device
 
 

@@ -66,3 +66,15 @@ def test_model_preset_expands_in_precedence_order():
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (2, 25, 1600)
     with pytest.raises(GptforgeError, match="model.preset='gpt5'"):
         load_config("tiny", ["model.preset=gpt5"])
+
+
+def test_moved_keys_keep_their_old_spelling():
+    """fused_loss and activation_checkpointing moved from [train] to [model]; presets, --set and old checkpoints
+    that say train.* still work."""
+    from gptforge.config import config_from_dict
+
+    cfg = load_config("tiny", ["train.fused_loss=false", "train.activation_checkpointing=true"])
+    assert cfg.model.fused_loss is False and cfg.model.activation_checkpointing is True
+    old = {"model": {"n_layer": 3}, "train": {"fused_loss": False, "micro_batch": 2}}
+    restored = config_from_dict(old)
+    assert (restored.model.n_layer, restored.model.fused_loss, restored.train.micro_batch) == (3, False, 2)

@@ -65,3 +65,27 @@ def test_read_jsonl_skips_blank_lines_reads_gzip_and_names_the_bad_line(tmp_path
     plain.write_text('{"x": 1}\n{"x": \n')
     with pytest.raises(GptforgeError, match=rf"{plain}:2: not JSON"):
         list(read_jsonl(plain))
+
+
+def test_a_line_torn_by_a_crash_is_skipped_only_where_asked_and_only_at_the_end(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"kind": "train", "step": 1}\n{"kind": "tr')
+    assert [r["step"] for _, r in read_jsonl(log, torn_tail_ok=True)] == [1]
+    with pytest.raises(GptforgeError, match=":2: not JSON"):
+        list(read_jsonl(log))
+    log.write_text('{"kind": "tr\n{"kind": "train", "step": 2}')
+    with pytest.raises(GptforgeError, match=":1: not JSON"):
+        list(read_jsonl(log, torn_tail_ok=True))
+
+
+def test_unreadable_jsonl_is_one_clear_error(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(GptforgeError, match="latin.jsonl: expected UTF-8 text"):
+        list(read_jsonl(latin))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(gzip.compress(b'{"a": 1}\n' * 100)[:30])
+    with pytest.raises(GptforgeError, match="broken.jsonl.gz: corrupt or truncated gzip file"):
+        list(read_jsonl(broken))
+    with pytest.raises(GptforgeError, match="missing.jsonl: cannot read"):
+        list(read_jsonl(tmp_path / "missing.jsonl"))

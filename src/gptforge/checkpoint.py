@@ -22,7 +22,7 @@ from safetensors.torch import load_model, save_model
 from gptforge.config import Config, config_from_dict, to_dict
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json
+from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
@@ -78,7 +78,7 @@ def _write_files(
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if tokenizer.path is not None:
-        atomic_write(tmp / tokenizer.name, tokenizer.path.read_bytes())  # checkpoints are self-contained
+        shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
     write_json(tmp / META, {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name})
 
 

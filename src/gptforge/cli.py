@@ -19,7 +19,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from gptforge.data.prepare import describe, prepare
+    from gptforge.data.prepare import prepare, summarize
 
     manifest = prepare(
         args.source,
@@ -33,7 +33,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         decontaminate=args.decontaminate,
         seed=args.seed,
     )
-    print(describe(manifest, args.out))
+    print(summarize(manifest, args.out))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -82,13 +82,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
         device=args.device,
         use_cache=not args.no_cache,
     )
-    current = None
-    for index, piece in pieces:
-        if index != current:
-            print(("\n" if current is not None else "") + f"--- sample {index}", flush=True)
-            current = index
+    for piece in pieces:
         print(piece, end="", flush=True)
-    print()
 
 
 def cmd_export(args: argparse.Namespace) -> None:

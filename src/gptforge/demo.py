@@ -14,6 +14,7 @@ from gptforge.data.prepare import prepare
 from gptforge.files import write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
+from gptforge.rundir import CONFIG
 from gptforge.train.trainer import train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
@@ -28,7 +29,7 @@ def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     cfg = load_config("demo-cpu", [*overrides, *budget, f"data.path={data_dir}"])
     prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
-    if (out_dir / "config.toml").is_file():
+    if (out_dir / CONFIG).is_file():
         print(f"demo: replacing the previous demo run in {out_dir}")
         shutil.rmtree(out_dir)
     result = train(cfg, out_dir)

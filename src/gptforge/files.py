@@ -1,6 +1,8 @@
-"""The one place that writes files users keep: whole files or whole folders appear at once, never half-written.
+"""Writing so that nothing is ever half-written: a file (`atomic_write`) or a folder (`building_dir`, `swap_dir`)
+appears whole or not at all; append-only logs (`append_jsonl`) can lose at most their last line.
 
-Also the shared readers: `open_text` (plain or gzip) and `read_jsonl` (errors name file:line).
+Checkpoints and exports write their files with their own libraries (safetensors, torch.save) into a temporary
+folder from here, which is swapped in only once complete. Also the shared readers `open_text` and `read_jsonl`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import gzip
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -84,16 +87,30 @@ def open_text(path: str | Path) -> TextIO:
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages."""
-    with open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
+def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages.
+
+    `torn_tail_ok` skips a last line that is not JSON and has no newline: what a crash mid-append leaves.
+    """
+    try:
+        with open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 where = f"{path}:{lineno}"
                 try:
-                    yield where, json.loads(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if torn_tail_ok and not line.endswith("\n"):
+                        return
                     raise GptforgeError(f"{where}: not JSON ({e})") from None
+                yield where, record
+    except UnicodeDecodeError:
+        raise GptforgeError(f"{path}: expected UTF-8 text") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error):
+        raise GptforgeError(f"{path}: corrupt or truncated gzip file") from None
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def append_jsonl(path: str | Path, record: Any) -> None:

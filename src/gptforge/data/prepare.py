@@ -302,7 +302,7 @@ def _tokenize(
     return dropped
 
 
-def describe(manifest: dict[str, Any], out_dir: str | Path) -> str:
+def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
     """What `gptforge prepare` wrote, a line per split."""
     lines = [
         f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB"

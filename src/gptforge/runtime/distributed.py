@@ -64,6 +64,12 @@ def wrap(model: torch.nn.Module, env: DistEnv, device: torch.device) -> torch.nn
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
+def print0(env: DistEnv, *args: object) -> None:
+    """Print (flushed) on rank 0 only: one copy of each line however many processes run."""
+    if env.is_main:
+        print(*args, flush=True)
+
+
 def all_reduce_mean(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """In place; gloo has no AVG, so sum and divide on every backend."""
     if env.distributed:

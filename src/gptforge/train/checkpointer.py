@@ -9,7 +9,7 @@ from gptforge.config import Config
 from gptforge.data.prefetch import Prefetcher
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.hub.publish import export_and_push
-from gptforge.runtime.distributed import DistEnv
+from gptforge.runtime.distributed import DistEnv, print0
 from gptforge.train.setup import TrainSetup
 from gptforge.train.state import TrainState
 
@@ -37,7 +37,7 @@ class Checkpointer:
         if self.env.is_main and ckpt.push:
             branch = ckpt.push_branch or self.run_dir.resolve().name
             commit = export_and_push(s.model, self.tokenizer, ckpt.push, branch, f"step {state.step}")
-            print(f"pushed step {state.step} to {ckpt.push} branch {branch} ({commit[:12]})", flush=True)
+            print0(self.env, f"pushed step {state.step} to {ckpt.push} branch {branch} ({commit[:12]})")
         return path
 
     def restore(self, resume: str, state: TrainState, loader) -> Path:

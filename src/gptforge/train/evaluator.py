@@ -14,8 +14,9 @@ from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_e
 from gptforge.eval.loss import evaluate_loss, format_loss
 from gptforge.files import append_jsonl
 from gptforge.model.generate import generate
+from gptforge.rundir import SAMPLES
 from gptforge.runtime.device import autocast
-from gptforge.runtime.distributed import DistEnv
+from gptforge.runtime.distributed import DistEnv, print0
 from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.setup import TrainSetup
 
@@ -64,11 +65,11 @@ class Evaluator:
         if self.hellaswag:
             hs = evaluate_hellaswag(s.model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
             self.metrics.write("hellaswag", step, **hs)
-            self._print(f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
+            print0(self.env, f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
         if cfg.eval.sample_tokens > 0 and env.is_main:
-            self._print(f"step {step:>6} | sample: {self.sample(step)!r}")
+            print0(self.env, f"step {step:>6} | sample: {self.sample(step)!r}")
         self.seconds = time.perf_counter() - t
-        self._print(f"step {step:>6} | val {format_loss(val)} | {self.seconds:.1f}s")
+        print0(self.env, f"step {step:>6} | val {format_loss(val)} | {self.seconds:.1f}s")
         return val
 
     def sample(self, step: int) -> str:
@@ -88,9 +89,5 @@ class Evaluator:
             )
         s.model.train()
         text = prompt + self.tokenizer.decode(new[0])
-        append_jsonl(self.run_dir / "samples.jsonl", {"step": step, "prompt": prompt, "text": text})
+        append_jsonl(self.run_dir / SAMPLES, {"step": step, "prompt": prompt, "text": text})
         return text
-
-    def _print(self, line: str) -> None:
-        if self.env.is_main:
-            print(line, flush=True)

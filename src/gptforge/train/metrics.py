@@ -1,4 +1,4 @@
-"""Run metrics: one JSON object per event in RUN_DIR/metrics.jsonl (written and read here), TensorBoard / W&B sinks."""
+"""Logging a run: one JSON object per event appended to RUN_DIR/metrics.jsonl, and TensorBoard / W&B sinks."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
-from gptforge.files import read_jsonl
-
-METRICS = "metrics.jsonl"
+from gptforge.rundir import METRICS
 
 
 class MetricsLog:
@@ -46,18 +44,18 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb.finish(exit_code=1 if failed else 0)  # a run that raised shows as failed, not finished
 
     def __enter__(self) -> MetricsLog:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 class NullLog:
@@ -71,22 +69,3 @@ class NullLog:
 
     def __exit__(self, *exc: object) -> None:
         pass
-
-
-def read_metrics(run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", "hellaswag")) -> dict[str, list[dict]]:
-    """A run's metrics.jsonl records grouped by kind, in file order."""
-    path = Path(run_dir) / METRICS
-    if not path.is_file():
-        raise GptforgeError(f"{run_dir}: no {METRICS} (expected a folder written by `gptforge train`)")
-    by_kind: dict[str, list[dict]] = {k: [] for k in kinds}
-    for _, record in read_jsonl(path):
-        if record.get("kind") in by_kind:
-            by_kind[record["kind"]].append(record)
-    return by_kind
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

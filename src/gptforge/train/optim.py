@@ -31,8 +31,8 @@ def build_optimizer(
 
 
 def warmup_lr(step: int, max_lr: float, warmup_steps: int) -> float:
-    """Linear warm-up: max_lr / warmup_steps at step 0, max_lr at step warmup_steps - 1 and after."""
-    return max_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+    """Linear warm-up: max_lr / warmup_steps at step 0, max_lr from step warmup_steps - 1 on."""
+    return max_lr * (step + 1) / warmup_steps if step < warmup_steps else max_lr
 
 
 def cosine_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:

@@ -8,7 +8,7 @@ import signal
 import torch
 
 from gptforge.config import Config
-from gptforge.runtime.distributed import DistEnv, all_reduce_sum, broadcast_int
+from gptforge.runtime.distributed import DistEnv, all_reduce_sum, broadcast_int, print0
 
 # A time budget fixes the step count from the pace of steps CALIBRATION_START..CALIBRATION_END
 # (the first steps pay for warm-up: allocator, compilation).
@@ -43,11 +43,13 @@ class TimeBudget:
         self.seconds, self.env, self.device = cfg.train.time_budget, env, device
         self.eval_every = cfg.eval.every if has_val else 0
         self._t_calibrate: float | None = None
+        self.eval_seconds = 0.0
+        """What one evaluation costs: each `eval_every` steps, and once more at the end."""
 
     def calibrating(self, step: int) -> bool:
         return self.seconds > 0 and step < CALIBRATION_END
 
-    def fit_steps(self, step: int, max_steps: int, now: float, elapsed: float, eval_seconds: float) -> int:
+    def fit_steps(self, step: int, max_steps: int, now: float, elapsed: float) -> int:
         """The step count, fixed once at CALIBRATION_END from the pace of the steps since CALIBRATION_START
         (plus the evaluations' share) so that the run, its schedule included, ends on time."""
         if self.seconds <= 0:
@@ -57,12 +59,11 @@ class TimeBudget:
         elif step == CALIBRATION_END and self._t_calibrate is not None:
             per_step = (now - self._t_calibrate) / (CALIBRATION_END - CALIBRATION_START)
             if self.eval_every:
-                per_step += eval_seconds / self.eval_every
-            left = self.seconds - elapsed - eval_seconds
+                per_step += self.eval_seconds / self.eval_every
+            left = self.seconds - elapsed - self.eval_seconds
             fitted = max(step, min(max_steps, step + int(left / per_step)))
             max_steps = broadcast_int(fitted, self.env, self.device)
-            if self.env.is_main:
-                print(f"time budget {self.seconds:.0f}s: {per_step:.2f}s/step -> {max_steps} steps", flush=True)
+            print0(self.env, f"time budget {self.seconds:.0f}s: {per_step:.2f}s/step -> {max_steps} steps")
         return max_steps
 
     def stop_vote(self, stop: StopSignal, elapsed: float) -> str | None:

@@ -9,6 +9,7 @@ counters a checkpoint keeps), `evaluator`, `checkpointer`, `stopping` (signals, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +18,12 @@ from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.loader import TokenLoader
 from gptforge.data.prefetch import Prefetcher
 from gptforge.files import atomic_write
+from gptforge.rundir import CONFIG, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import resolve_device
 from gptforge.train.checkpointer import Checkpointer
 from gptforge.train.evaluator import Evaluator
-from gptforge.train.metrics import MetricsLog, NullLog, format_duration
+from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.optim import lr_at, set_lr
 from gptforge.train.setup import build, open_data, resolve_config, run_header
 from gptforge.train.state import TrainState, ramp_accumulation
@@ -54,23 +56,24 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
 
 def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     t_start = time.perf_counter()
-    print0 = print if env.is_main else (lambda *a, **k: None)
+    print0 = functools.partial(distributed.print0, env)
     data = open_data(cfg)
     cfg, init_weights = resolve_config(cfg, data.tokenizer)
     s = build(cfg, env, device, init_weights)
-    print0(run_header(cfg, s, data.tokenizer.name, env.world_size), flush=True)
+    print0(run_header(cfg, s, data.tokenizer.name, env.world_size))
     B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
     loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
     state = TrainState(max_steps=cfg.train.max_steps)
     checkpointer = Checkpointer(run_dir, cfg, data.tokenizer, s, env)
     if resume:
         resumed = checkpointer.restore(resume, state, loader)
-        print0(f"resumed from {resumed} at step {state.step}", flush=True)
+        print0(f"resumed from {resumed} at step {state.step}")
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
     evaluate = Evaluator(cfg, s, data.tokenizer, data.has_val, metrics, run_dir, env)
     budget = TimeBudget(cfg, data.has_val, env, device)
 
     first_val = last_val = evaluate(state.step) if state.step == 0 else None
+    budget.eval_seconds = evaluate.seconds  # the budget plans with the first evaluation's time
     t_loop, step_loop = time.perf_counter(), state.step
     s.model.train()
     # Batches are read ahead on a thread; `batches.state_dict()` is the position after the last one trained on.
@@ -89,7 +92,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
         if not applied:
             print0(f"step {state.step}: non-finite loss or gradient ({loss_value}, norm {norm_value}): update skipped")
             state.check_skips(cfg.train.max_skips, checkpointer.last_good)
-        state.max_steps = budget.fit_steps(state.step, state.max_steps, now, elapsed, evaluate.seconds)
+        state.max_steps = budget.fit_steps(state.step, state.max_steps, now, elapsed)
 
         mfu = s.model.flops_per_token(T) * step_tokens / dt / world / s.peak_flops if s.peak_flops else 0.0
         metrics.write(
@@ -111,7 +114,6 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
                 f"step {state.step:>6}/{'?' if calibrating else state.max_steps} | loss {loss_value:.4f} | "
                 f"lr {lr:.2e} | norm {norm_value:.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
                 f"MFU {mfu:.1%} | ETA {'calibrating' if calibrating else format_duration(eta)}",
-                flush=True,
             )
         if state.step < state.max_steps and evaluate.due(state.step):
             last_val = evaluate(state.step)
@@ -120,15 +122,13 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
         # Every rank must leave the loop at the same step.
         why = budget.stop_vote(stop, elapsed)
         if state.step < state.max_steps and why:
-            print0(f"stopping at step {state.step} on {why}: saving a checkpoint", flush=True)
+            print0(f"stopping at step {state.step} on {why}: saving a checkpoint")
             break
 
     last_val = evaluate(state.step) or last_val
     final = checkpointer.save(state, batches)
     seconds = time.perf_counter() - t_start
-    print0(
-        f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(seconds)}; saved {final}", flush=True
-    )
+    print0(f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(seconds)}; saved {final}")
     return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
 
 
@@ -137,5 +137,5 @@ def _open_metrics(cfg: Config, run_dir: Path, env: distributed.DistEnv) -> Metri
     if not env.is_main:
         return NullLog()
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "config.toml", to_toml(cfg))
+    atomic_write(run_dir / CONFIG, to_toml(cfg))
     return MetricsLog(run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg))
