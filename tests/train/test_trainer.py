@@ -59,9 +59,11 @@ def test_resume_continues_where_it_stopped(data_dir, tmp_path):
 
 
 def test_time_budget_cuts_the_step_count(data_dir, tmp_path):
+    """End to end: the run stops long before max_steps and saves where it stopped (how many steps fit depends on
+    the machine's load, so the count itself is checked on a fake clock below)."""
     result = train(tiny_cfg(data_dir, "train.max_steps=100000", "train.time_budget=4", "eval.every=0"), tmp_path / "r")
-    assert 5 <= result.steps < 100000
-    assert result.seconds < 15
+    assert 1 <= result.steps < 100000
+    assert result.checkpoint.name == f"step_{result.steps:06d}"
 
 
 def test_batch_must_divide(data_dir, tmp_path):

@@ -1,0 +1,42 @@
+"""The time budget on a fake clock: the step count it fits, and the stop vote."""
+
+import torch
+
+from gptforge.config import load_config
+from gptforge.runtime.distributed import SINGLE
+from gptforge.train.stopping import CALIBRATION_END, CALIBRATION_START, StopSignal, TimeBudget
+
+
+def budget(seconds, eval_every=0, has_val=True):
+    cfg = load_config("tiny", [f"train.time_budget={seconds}", f"eval.every={eval_every}"])
+    return TimeBudget(cfg, has_val, SINGLE, torch.device("cpu"))
+
+
+def test_steps_are_fitted_from_the_calibration_pace():
+    b = budget(100)
+    assert b.calibrating(0) and b.calibrating(CALIBRATION_END - 1) and not b.calibrating(CALIBRATION_END)
+    assert b.fit_steps(CALIBRATION_START, 10_000, now=10.0, elapsed=10.0) == 10_000
+    # 20 steps in 20 s: 1 s/step, 70 s left at 30 s elapsed -> 70 more steps.
+    assert b.fit_steps(CALIBRATION_END, 10_000, now=30.0, elapsed=30.0) == CALIBRATION_END + 70
+    assert b.fit_steps(CALIBRATION_END + 1, 95, now=31.0, elapsed=31.0) == 95  # fixed once
+
+
+def test_evaluations_are_planned_for_and_max_steps_is_a_ceiling():
+    b = budget(100, eval_every=10)
+    b.eval_seconds = 5.0  # 1 + 5/10 s per step; the final evaluation's 5 s reserved
+    b.fit_steps(CALIBRATION_START, 10_000, now=10.0, elapsed=10.0)
+    assert b.fit_steps(CALIBRATION_END, 10_000, now=30.0, elapsed=30.0) == CALIBRATION_END + int(65 / 1.5)
+    short = budget(100)
+    short.fit_steps(CALIBRATION_START, 40, now=10.0, elapsed=10.0)
+    assert short.fit_steps(CALIBRATION_END, 40, now=30.0, elapsed=30.0) == 40
+    none = budget(0)
+    assert none.fit_steps(CALIBRATION_END, 40, now=1e9, elapsed=1e9) == 40 and not none.calibrating(0)
+
+
+def test_stop_vote_on_time_and_on_a_signal():
+    b, stop = budget(100), StopSignal()
+    assert b.stop_vote(stop, elapsed=99.0) is None
+    assert b.stop_vote(stop, elapsed=101.0) == "the time budget of 100s"
+    stop.received = 15
+    assert b.stop_vote(stop, elapsed=1.0) == "a stop signal"
+    assert budget(0).stop_vote(StopSignal(), elapsed=1e9) is None
