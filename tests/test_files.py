@@ -89,3 +89,14 @@ def test_unreadable_jsonl_is_one_clear_error(tmp_path):
         list(read_jsonl(broken))
     with pytest.raises(GptforgeError, match="missing.jsonl: cannot read"):
         list(read_jsonl(tmp_path / "missing.jsonl"))
+
+
+def test_a_file_in_the_way_of_a_folder_is_refused_and_kept(tmp_path):
+    kept = tmp_path / "manifest.json"
+    kept.write_text("{}")
+    with pytest.raises(GptforgeError, match="manifest.json: exists and is not a folder"), building_dir(kept):
+        pass
+    tmp = temp_dir_for(tmp_path / "other")
+    with pytest.raises(GptforgeError, match="exists and is not a folder"):
+        swap_dir(tmp, kept)
+    assert kept.read_text() == "{}"

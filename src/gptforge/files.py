@@ -54,8 +54,14 @@ def temp_dir_for(final: Path) -> Path:
     return tmp
 
 
+def _refuse_non_folder(final: Path) -> None:
+    if final.exists() and not final.is_dir():
+        raise GptforgeError(f"{final}: exists and is not a folder (expected a folder to write or replace)")
+
+
 def swap_dir(tmp: Path, final: Path) -> Path:
     """Put the complete folder `tmp` at `final`; an old `final` is moved aside first and deleted only after."""
+    _refuse_non_folder(final)
     if final.exists():
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -71,6 +77,7 @@ def swap_dir(tmp: Path, final: Path) -> Path:
 def building_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temp folder to fill; on success it replaces `final` with `swap_dir`, on error it is removed."""
     final = Path(final)
+    _refuse_non_folder(final)  # before any work, and never replace a file with a folder
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir_for(final)
     try:
