@@ -94,30 +94,47 @@ def open_text(path: str | Path) -> TextIO:
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[str, Any]]:
-    """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages.
+def format_suffix(path: str | Path) -> str:
+    """The format suffix, looking through .gz: 'a.jsonl.gz' -> '.jsonl'."""
+    path = Path(path)
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
 
-    `torn_tail_ok` skips a last line that is not JSON and has no newline: what a crash mid-append leaves.
-    """
+
+@contextlib.contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Turn each way a text file can fail to read into one GptforgeError that names it."""
     try:
-        with open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    if torn_tail_ok and not line.endswith("\n"):
-                        return
-                    raise GptforgeError(f"{where}: not JSON ({e})") from None
-                yield where, record
+        yield
     except UnicodeDecodeError:
         raise GptforgeError(f"{path}: expected UTF-8 text") from None
     except (gzip.BadGzipFile, EOFError, zlib.error):
         raise GptforgeError(f"{path}: corrupt or truncated gzip file") from None
     except OSError as e:
         raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_text(path: str | Path) -> str:
+    with reading(path), open_text(path) as f:
+        return f.read()
+
+
+def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages.
+
+    `torn_tail_ok` skips a last line that is not JSON and has no newline: what a crash mid-append leaves.
+    """
+    with reading(path), open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if torn_tail_ok and not line.endswith("\n"):
+                    return
+                raise GptforgeError(f"{where}: not JSON ({e})") from None
+            yield where, record
 
 
 def append_jsonl(path: str | Path, record: Any) -> None:

@@ -12,8 +12,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from gptforge.errors import GptforgeError
-from gptforge.files import open_text, read_jsonl
+from gptforge.files import format_suffix, read_jsonl, read_text
 
 N = 13
 _WORD = re.compile(r"[a-z0-9]+")
@@ -39,15 +38,11 @@ def _strings(value) -> Iterator[str]:
 
 
 def _eval_texts(path: Path) -> Iterator[str]:
-    try:
-        if Path(path.stem if path.suffix == ".gz" else path.name).suffix != ".jsonl":
-            with open_text(path) as f:
-                yield f.read()
-            return
-        for _, record in read_jsonl(path):
-            yield from _strings(record)
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise GptforgeError(f"--decontaminate {path}: cannot read ({e})") from None
+    if format_suffix(path) != ".jsonl":
+        yield read_text(path)
+        return
+    for _, record in read_jsonl(path):
+        yield from _strings(record)
 
 
 def eval_ngrams(paths: Iterable[str | Path]) -> frozenset[int]:

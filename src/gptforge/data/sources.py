@@ -6,14 +6,12 @@ Names are stable (relative to the source) because the validation split is chosen
 from __future__ import annotations
 
 import glob
-import gzip
 import sysconfig
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 from gptforge.errors import GptforgeError
-from gptforge.files import open_text, read_jsonl
+from gptforge.files import format_suffix, read_jsonl, read_text, reading
 
 TEXT_KINDS = {".txt", ".py", ".md", ".rst"}
 KINDS = TEXT_KINDS | {".jsonl", ".parquet"}
@@ -72,16 +70,11 @@ def stdlib_documents() -> Iterator[Document]:
         yield f"stdlib/{rel.as_posix()}", text
 
 
-def _kind(path: Path) -> str:
-    """The format suffix, looking through .gz: 'a.jsonl.gz' -> '.jsonl'."""
-    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
-
-
 def _files(source: str) -> list[tuple[Path, str]]:
     """(path, stable name) of the files a path, folder or glob names, sorted."""
     if glob.has_magic(source):
         paths = sorted(Path(p) for p in glob.glob(source, recursive=True))
-        files = [(p, p.as_posix()) for p in paths if p.is_file() and _kind(p) in KINDS]
+        files = [(p, p.as_posix()) for p in paths if p.is_file() and format_suffix(p) in KINDS]
         if not files:
             raise GptforgeError(f"{source}: no files match (expected {', '.join(sorted(KINDS))}, optionally .gz)")
         return files
@@ -89,29 +82,21 @@ def _files(source: str) -> list[tuple[Path, str]]:
     if root.is_file():
         return [(root, root.name)]
     if root.is_dir():
-        paths = sorted(p for p in root.rglob("*") if p.is_file() and _kind(p) in KINDS)
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and format_suffix(p) in KINDS)
         return [(p, p.relative_to(root).as_posix()) for p in paths]
     raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
 
 
 def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
-    kind = _kind(path)
-    try:
-        if kind == ".parquet":
+    kind = format_suffix(path)
+    if kind == ".parquet":
+        with reading(path):
             yield from _parquet_documents(path, name, text_field)
-            return
-        if kind != ".jsonl":
-            with open_text(path) as f:
-                yield name, f.read()
-            return
+    elif kind == ".jsonl":
         for where, record in read_jsonl(path):
             yield f"{name}:{where.rsplit(':', 1)[1]}", _json_text(record, text_field, where)
-    except UnicodeDecodeError:
-        raise GptforgeError(f"{path}: expected UTF-8 text") from None
-    except (gzip.BadGzipFile, EOFError, zlib.error):
-        raise GptforgeError(f"{path}: corrupt or truncated gzip file") from None
-    except OSError as e:
-        raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
+    else:
+        yield name, read_text(path)
 
 
 def _json_text(record, text_field: str, where: str) -> str:
