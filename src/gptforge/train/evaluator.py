@@ -34,19 +34,13 @@ class Evaluator:
         run_dir: Path,
         env: DistEnv,
     ) -> None:
-        self.cfg, self.setup, self.tokenizer, self.metrics, self.run_dir, self.env = (
-            cfg,
-            setup,
-            tokenizer,
-            metrics,
-            run_dir,
-            env,
-        )
+        self.cfg, self.setup, self.tokenizer, self.env = cfg, setup, tokenizer, env
+        self.metrics, self.run_dir = metrics, run_dir
         B, T = cfg.train.micro_batch, cfg.model.block_size
         self.val_loader = TokenLoader(cfg.data.path, "val", B, T, shuffle=False) if has_val else None  # built once
         self.hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
         self.seconds = 0.0
-        """How long the last evaluation took (the time budget plans for them)."""
+        """How long the last evaluation took (the time budget plans with the first one's)."""
 
     def due(self, step: int) -> bool:
         return self.val_loader is not None and bool(self.cfg.eval.every) and step % self.cfg.eval.every == 0
