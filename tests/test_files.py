@@ -1,11 +1,26 @@
 """files.py: writes are all-or-nothing, folders are replaced only by complete ones, JSONL errors name file:line."""
 
 import gzip
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from gptforge.errors import GptforgeError
-from gptforge.files import append_jsonl, atomic_write, building_dir, open_text, read_jsonl, swap_dir, temp_dir_for
+from gptforge.files import (
+    LOCK,
+    append_jsonl,
+    atomic_write,
+    building_dir,
+    check_output_dir,
+    locked,
+    open_text,
+    read_jsonl,
+    swap_dir,
+    temp_dir_for,
+)
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp_file(tmp_path):
@@ -100,3 +115,44 @@ def test_a_file_in_the_way_of_a_folder_is_refused_and_kept(tmp_path):
     with pytest.raises(GptforgeError, match="exists and is not a folder"):
         swap_dir(tmp, kept)
     assert kept.read_text() == "{}"
+
+
+def test_check_output_dir_refuses_what_would_destroy_data(tmp_path):
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoints").mkdir(parents=True)
+    source = run / "checkpoints"
+    for out in (source, run, tmp_path / "runs"):  # the folder read from, or any parent of it: even with --force
+        with pytest.raises(GptforgeError, match="which this command reads"):
+            check_output_dir(out, force=True, reads=[source])
+    with pytest.raises(GptforgeError, match="exists and is not empty; pick another folder, or pass --force"):
+        check_output_dir(run, force=False)
+    check_output_dir(run, force=True)
+    check_output_dir(tmp_path / "new", force=False)
+    (tmp_path / "only-lock").mkdir()
+    (tmp_path / "only-lock" / LOCK).write_text("1")
+    check_output_dir(tmp_path / "only-lock", force=False)  # a lock file alone does not make a folder a run
+    check_output_dir(run / "export", force=False, reads=[source])  # inside the run, beside what is read: fine
+
+
+def test_a_locked_folder_names_its_holder_and_is_released_by_kill_9(tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from gptforge.files import locked\nwith locked({str(tmp_path)!r}, 'x'):\n"
+            "    print('held', flush=True)\n    input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        busy = rf"in use by another gptforge train \(pid {holder.pid}\)"
+        with pytest.raises(GptforgeError, match=busy), locked(tmp_path, "train"):
+            pass
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    with locked(tmp_path, "train"):  # nothing stale after a kill -9
+        assert (tmp_path / LOCK).read_text() == f"{os.getpid()}\n"

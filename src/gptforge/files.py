@@ -8,6 +8,7 @@ folder from here, which is swapped in only once complete. Also the shared reader
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
@@ -86,6 +87,57 @@ def building_dir(final: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     swap_dir(tmp, final)
+
+
+LOCK = ".lock"
+"""The file `locked` holds in a run or data folder; it does not make the folder non-empty."""
+
+
+def is_empty_dir(path: str | Path) -> bool:
+    """True for a missing folder, or one holding nothing but a lock file."""
+    path = Path(path)
+    return not path.exists() or (path.is_dir() and all(p.name == LOCK for p in path.iterdir()))
+
+
+def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out") -> None:
+    """Refuse an output folder whose writing would destroy data: the folder a command reads from or a parent of
+    it (always), or any existing non-empty folder unless `force` names it for replacement."""
+    out = Path(out)
+    target = out.resolve()
+    for source in reads:
+        resolved = Path(source).resolve()
+        if resolved == target or target in resolved.parents:
+            how = "is" if resolved == target else "contains"
+            raise GptforgeError(f"{flag} {out}: {how} {source}, which this command reads; write somewhere else")
+    _refuse_non_folder(out)
+    if not force and not is_empty_dir(out):
+        raise GptforgeError(
+            f"{flag} {out}: exists and is not empty; pick another folder, or pass --force to replace it "
+            "(the old folder is removed only once the new one is complete)"
+        )
+
+
+@contextlib.contextmanager
+def locked(folder: str | Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (created if missing) for the block; a second holder gets one line
+    naming this process. The OS releases the lock when the process dies, so a kill -9 leaves nothing stale."""
+    folder = Path(folder)
+    _refuse_non_folder(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise GptforgeError(
+                f"{folder}: in use by another gptforge {what} (pid {holder}); wait for it to end or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def open_text(path: str | Path) -> TextIO:
