@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/gptforge demo
+	$(BIN)/gptforge demo --force  # replaces the previous demo run, once the new one is complete
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

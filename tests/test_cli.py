@@ -1,5 +1,6 @@
 """The CLI end to end on a tiny config, and its promised one-line errors."""
 
+import errno
 import json
 import subprocess
 import sys
@@ -10,7 +11,9 @@ from gptforge.cli import main
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "gptforge", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "gptforge", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
@@ -53,7 +56,7 @@ def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
 
 
 def test_console_script_runs():
-    proc = subprocess.run([sys.executable, "-m", "gptforge", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "gptforge", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "prepare" in proc.stdout and "demo" in proc.stdout
 
 
@@ -67,6 +70,16 @@ def test_console_script_runs():
         (["train", "--data", "{tmp}", "--set", "optim.nope=1"], 1, "unknown key 'optim.nope'"),
         (["train", "--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
         (["sample", "{tmp}/missing"], 1, "not a checkpoint"),
+        (["sample", "{tmp}", "--top-k", "-3"], 2, "argument --top-k: expected an integer >= 0, got '-3'"),
+        (["sample", "{tmp}", "--top-p", "-1"], 2, "argument --top-p: expected a number in (0, 1], got '-1'"),
+        (["sample", "{tmp}", "--temperature", "nan"], 2, "argument --temperature: expected a number >= 0.0"),
+        (["eval", "{tmp}", "--k", "1,x"], 2, "argument --k: expected comma-separated positive integers"),
+        (["eval", "{tmp}", "--batch-size", "0"], 2, "argument --batch-size: expected an integer >= 1, got '0'"),
+        (["bench", "--steps", "0"], 2, "argument --steps: expected an integer >= 1, got '0'"),
+        (["train", "--data", "{tmp}", "--set", "model.n_head=3"], 1, "model.n_head=3 must divide model.n_embd"),
+        (["train", "--set", "checkpoint.keep_last=-1"], 1, "checkpoint.keep_last=-1 (expected >= 0)"),
+        (["plot", "{tmp}"], 1, "no metrics.jsonl"),
+        (["train", "--resume", "auto", "--out", "{tmp}/none"], 1, "has no checkpoint yet; give --config"),
     ],
 )
 def test_bad_input_gives_one_line_error(tmp_path, args, code, message):
@@ -90,3 +103,26 @@ def test_gpu_out_of_memory_is_a_one_line_error_with_the_remedy(monkeypatch, caps
     assert main(["bench", "--config", "tiny"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "out of GPU memory" in err and "train.micro_batch" in err
+
+
+def test_os_errors_are_one_line_and_bugs_say_so(monkeypatch, capsys):
+    import gptforge.report.summary
+
+    def disk_full(run_dir):
+        raise OSError(errno.ENOSPC, "No space left on device", f"{run_dir}/report.md")
+
+    monkeypatch.setattr(gptforge.report.summary, "run_report", disk_full)
+    assert main(["report", "runs/x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "gptforge report: error: runs/x/report.md: No space left on device (check the disk space and permissions there)"
+    )
+
+    def bug(run_dir):
+        return {}["missing"]
+
+    monkeypatch.setattr(gptforge.report.summary, "run_report", bug)
+    assert main(["report", "runs/x"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError" in err
+    assert err.strip().splitlines()[-1].startswith("gptforge report: error: unexpected failure: a bug in gptforge")

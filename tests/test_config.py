@@ -1,8 +1,9 @@
 import sys
 
 import pytest
+import torch
 
-from gptforge.config import describe, load_config, preset_names, to_toml
+from gptforge.config import config_from_dict, describe, load_config, preset_names, to_dict, to_toml
 from gptforge.errors import GptforgeError
 
 if sys.version_info >= (3, 11):
@@ -78,3 +79,48 @@ def test_moved_keys_keep_their_old_spelling():
     old = {"model": {"n_layer": 3}, "train": {"fused_loss": False, "micro_batch": 2}}
     restored = config_from_dict(old)
     assert (restored.model.n_layer, restored.model.fused_loss, restored.train.micro_batch) == (3, False, 2)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.n_head=3", "model.n_head=3 must divide model.n_embd=32"),
+        ("model.dropout=2", r"model.dropout=2.0 \(expected in \[0, 1\)\)"),
+        ("optim.beta1=1.5", r"optim.beta1=1.5 \(expected in \[0, 1\)\)"),
+        ("optim.lr=-1", r"optim.lr=-1.0 \(expected > 0\)"),
+        ("optim.lr=nan", r"optim.lr=nan \(expected > 0\)"),
+        ("optim.schedule=linear", "optim.schedule='linear' \\(expected one of cosine, wsd, constant\\)"),
+        ("train.batch_tokens=0", r"train.batch_tokens=0 \(expected >= 1\)"),
+        ("train.device=tpu", "train.device='tpu' \\(expected auto, cpu, cuda, cuda:N or mps\\)"),
+        ("train.dtype=fp8", "train.dtype='fp8' \\(expected one of auto, float32, bfloat16, float16\\)"),
+        ("checkpoint.keep_last=-1", r"checkpoint.keep_last=-1 \(expected >= 0\)"),
+        ("log.every=0", r"log.every=0 \(expected >= 1\)"),
+    ],
+)
+def test_out_of_range_values_are_one_line_naming_key_value_and_range(override, message):
+    with pytest.raises(GptforgeError, match=message):
+        load_config("tiny", [override])
+
+
+def test_values_are_checked_in_presets_and_checkpoints_too(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nn_embd = 64\nn_head = 3\n")
+    with pytest.raises(GptforgeError, match="model.n_head=3 must divide model.n_embd=64"):
+        load_config(str(bad))
+    bad.write_bytes(b"[train]\nprompt = '\xff'\n")
+    with pytest.raises(GptforgeError, match=r"bad\.toml: expected UTF-8 text"):
+        load_config(str(bad))
+    saved = to_dict(load_config("tiny"))
+    saved["optim"]["beta2"] = 1.0
+    with pytest.raises(GptforgeError, match=r"checkpoint config: optim.beta2=1.0 \(expected in \[0, 1\)\)"):
+        config_from_dict(saved)
+
+
+def test_a_device_this_machine_lacks_is_one_line():
+    from gptforge.runtime.device import resolve_device
+
+    if not torch.backends.mps.is_available():
+        with pytest.raises(GptforgeError, match="train.device='mps': Apple MPS is not available on this machine"):
+            resolve_device("mps")
+    with pytest.raises(GptforgeError, match=r"train.device='cuda:\d+': "):
+        resolve_device(f"cuda:{torch.cuda.device_count()}")

@@ -34,6 +34,18 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
     assert (data / "tokenizer.json").is_file()
     assert json.loads((data / "manifest.json").read_text())["tokenizer"]["vocab_size"] == 8192
 
-    # A second demo reuses the prepared corpus and replaces the earlier run.
-    assert main(args + [a for kv in tiny for a in ("--set", kv)]) == 0
-    assert "already prepared" in capsys.readouterr().out
+    # A second demo refuses to touch the earlier run unless told to replace it.
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    assert main(args + [a for kv in tiny for a in ("--set", kv)]) == 1
+    assert "exists and is not empty; pick another folder, or pass --force" in capsys.readouterr().err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+    # With --force it reuses the prepared corpus and replaces the run once the new one is complete.
+    shorter = [*tiny[:-1], "train.max_steps=30"]
+    assert main([*args, "--force"] + [a for kv in shorter for a in ("--set", kv)]) == 0
+    printed = capsys.readouterr().out
+    assert "already prepared" in printed and "replaced the previous run" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["checkpoint"] == str(out / "checkpoints" / "step_000030")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000030"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "run"]  # no temp folder left beside it

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import struct
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from safetensors.torch import load_model, save_model
 
 from gptforge.config import Config, config_from_dict, to_dict
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
-from gptforge.errors import GptforgeError
+from gptforge.errors import GptforgeError, first_detail
 from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_device, resolve_dtype
@@ -84,11 +86,13 @@ def _write_files(
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int, milestone_every: int) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints, sparing steps that are multiples of milestone_every."""
-    ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / META).is_file())
+    if keep_last < 1:
+        raise GptforgeError(f"checkpoint.keep_last={keep_last}: pruning keeps at least the newest checkpoint")
+    ckpts = checkpoints(run_dir)
     doomed = [
         p
         for p in ckpts[: max(0, len(ckpts) - keep_last)]
-        if not (milestone_every and int(p.name[5:]) % milestone_every == 0)
+        if not (milestone_every and step_of(p) % milestone_every == 0)
     ]
     for p in doomed:
         shutil.rmtree(p)
@@ -115,23 +119,77 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def step_of(ckpt: Path) -> int:
+    """The step in a checkpoint folder's name (step_NNNNNN; more digits past step 999,999), or -1."""
+    digits = ckpt.name[len("step_") :]
+    return int(digits) if ckpt.name.startswith("step_") and digits.isdigit() else -1
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """A run's complete checkpoints, oldest first by step number (names sort wrongly past step 999,999)."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if step_of(p) >= 0 and (p / META).is_file()]
+    return sorted(found, key=step_of)
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run, or None."""
-    ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / META).is_file())
+    ckpts = checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder (meaning its newest checkpoint)."""
+def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
+    """Why a checkpoint folder cannot be loaded, or None. Cheap structural checks that catch what a full disk,
+    a killed copy or a hand edit leaves: unreadable meta.json, truncated weights, a missing or cut optimizer."""
+    try:
+        meta = json.loads((ckpt / META).read_text(encoding="utf-8"))
+        config_from_dict(meta["config"])
+        int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError, GptforgeError) as e:
+        return f"{META} is unreadable or incomplete ({type(e).__name__}: {e})"
+    problem = _safetensors_problem(ckpt / "model.safetensors")
+    if problem or not for_training:
+        return problem
+    if not (ckpt / "optimizer.pt").is_file():
+        return "no optimizer.pt: not a training checkpoint (start from its weights with train.init_from)"
+    if not zipfile.is_zipfile(ckpt / "optimizer.pt"):
+        return "optimizer.pt is truncated or not a torch file"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then exactly the bytes it describes."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} is unreadable ({type(e).__name__}: {e})"
+    if path.stat().st_size != 8 + n + end:
+        return f"{path.name} is truncated ({path.stat().st_size:,} bytes, expected {8 + n + end:,})"
+    return None
+
+
+def resolve_checkpoint(path: str | Path, for_training: bool = False) -> Path:
+    """A checkpoint folder, or a run folder (meaning its newest intact checkpoint: a damaged newer one is skipped
+    with a warning). A named checkpoint that is damaged is an error."""
     path = Path(path)
-    if (path / META).is_file():
+    if (path / META).exists():
+        problem = checkpoint_problem(path, for_training)
+        if problem:
+            raise GptforgeError(f"{path}: damaged checkpoint: {problem}")
         return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
-    if latest is None:
+    ckpts = checkpoints(path) if path.is_dir() else []
+    if not ckpts:
         raise GptforgeError(
             f"{path}: not a checkpoint (expected a folder with {META}, or a run folder with checkpoints/)"
         )
-    return latest
+    for ckpt in reversed(ckpts):
+        problem = checkpoint_problem(ckpt, for_training)
+        if problem is None:
+            return ckpt
+        warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)
+    raise GptforgeError(f"{path}: every checkpoint is damaged (the newest: {ckpts[-1]})")
 
 
 def load_checkpoint(
@@ -139,14 +197,25 @@ def load_checkpoint(
 ) -> tuple[GPT, Tokenizer, Config, dict[str, Any]]:
     """Model (eval mode, on `device`), its tokenizer, config and meta from a checkpoint or run folder."""
     ckpt = resolve_checkpoint(path)
-    try:
-        meta = json.loads((ckpt / META).read_text())
-        cfg = config_from_dict(meta["config"])
-    except (json.JSONDecodeError, KeyError) as e:
-        raise GptforgeError(f"{ckpt / META}: malformed checkpoint metadata ({e})") from None
+    meta = read_meta(ckpt)
+    cfg = config_from_dict(meta["config"])
     model = GPT(cfg.model)
-    load_model(model, str(ckpt / "model.safetensors"), device=str(device))
+    _load_weights(model, ckpt, device)
     return model.to(device).eval(), load_tokenizer(meta["tokenizer"], ckpt), cfg, meta
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint that `resolve_checkpoint` found intact."""
+    return json.loads((ckpt / META).read_text(encoding="utf-8"))
+
+
+def _load_weights(model: GPT, ckpt: Path, device: torch.device | str) -> None:
+    try:
+        load_model(model, str(ckpt / "model.safetensors"), device=str(device))
+    except (RuntimeError, OSError) as e:  # a hand-edited config or a damaged file: the first line says which
+        raise GptforgeError(
+            f"{ckpt / 'model.safetensors'}: does not fit the model ({str(e).splitlines()[0]})"
+        ) from None
 
 
 @dataclass
@@ -171,11 +240,14 @@ def restore_training_state(
     ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, device: torch.device, env: DistEnv = SINGLE
 ) -> dict[str, Any]:
     """Load weights, optimizer and this rank's RNG state into a fresh model/optimizer; returns the meta."""
-    load_model(model, str(ckpt / "model.safetensors"), device=str(device))
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device, weights_only=True))
+    _load_weights(model, ckpt, device)
+    try:
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device, weights_only=True))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise GptforgeError(f"{ckpt / 'optimizer.pt'}: cannot restore ({first_detail(e)})") from None
     rng = ckpt / f"rng_rank{env.rank}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=True))
     else:
         warnings.warn(f"{rng} is missing: resuming with fresh random state (dropout will differ)", stacklevel=2)
-    return json.loads((ckpt / META).read_text())
+    return read_meta(ckpt)

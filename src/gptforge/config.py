@@ -8,9 +8,12 @@ gpt2-xl) sets n_layer/n_head/n_embd at that point of the precedence order.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import json
+import math
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
+from gptforge.files import read_text
 from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -189,6 +193,74 @@ def _set(cfg: Config, dotted: str, value: Any, where: str, parse: bool = False) 
     setattr(section, key, _coerce(value, types[key], f"{where}: {dotted}", parse))
 
 
+def _at_least(low: float) -> tuple[Any, str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _within(low: float, high: float, high_ok: bool = False) -> tuple[Any, str]:
+    return (lambda v: low <= v <= high if high_ok else low <= v < high), f"in [{low}, {high}{']' if high_ok else ')'}"
+
+
+def _one_of(*names: str) -> tuple[Any, str]:
+    return (lambda v: v in names), f"one of {', '.join(names)}"
+
+
+_POSITIVE = ((lambda v: v > 0), "> 0")
+# What each checked key allows; every failure is one line naming the key, the value and this.
+RULES: dict[str, tuple[Any, str]] = {
+    "model.block_size": _at_least(1),
+    "model.vocab_size": _at_least(1),
+    "model.n_layer": _at_least(1),
+    "model.n_head": _at_least(1),
+    "model.n_embd": _at_least(1),
+    "model.vocab_multiple": _at_least(1),
+    "model.dropout": _within(0, 1),
+    "optim.lr": _POSITIVE,
+    "optim.min_lr_ratio": _within(0, 1, high_ok=True),
+    "optim.warmup_steps": _at_least(0),
+    "optim.weight_decay": _at_least(0),
+    "optim.beta1": _within(0, 1),
+    "optim.beta2": _within(0, 1),
+    "optim.eps": _POSITIVE,
+    "optim.grad_clip": _at_least(0),
+    "optim.schedule": _one_of("cosine", "wsd", "constant"),
+    "optim.decay_fraction": _within(0, 1, high_ok=True),
+    "train.micro_batch": _at_least(1),
+    "train.batch_tokens": _at_least(1),
+    "train.max_steps": _at_least(1),
+    "train.time_budget": _at_least(0),
+    "train.device": ((lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)), "auto, cpu, cuda, cuda:N or mps"),
+    "train.dtype": _one_of("auto", "float32", "bfloat16", "float16"),
+    "train.batch_ramp_tokens": _at_least(0),
+    "train.max_skips": _at_least(1),
+    "train.peak_flops": _at_least(0),
+    "eval.every": _at_least(0),
+    "eval.tokens": _at_least(1),
+    "eval.hellaswag_limit": _at_least(0),
+    "eval.sample_tokens": _at_least(0),
+    "checkpoint.every": _at_least(0),
+    "checkpoint.keep_last": _at_least(0),
+    "checkpoint.milestone_every": _at_least(0),
+    "log.every": _at_least(1),
+}
+
+
+def validate(cfg: Config, where: str = "") -> Config:
+    """Check every value against RULES (and n_head dividing n_embd); the first failure is one line."""
+    where = f"{where}: " if where else ""
+    for dotted, (ok, allowed) in RULES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            raise GptforgeError(f"{where}{dotted}={value!r} (expected {allowed})")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise GptforgeError(
+            f"{where}: model.n_head={cfg.model.n_head} must divide model.n_embd={cfg.model.n_embd} "
+            "(each head gets n_embd / n_head dimensions)"
+        )
+    return cfg
+
+
 def preset_path(name: str) -> Path:
     """A preset name (`configs/NAME.toml` shipped with the package) or a path to a TOML file."""
     path = Path(name)
@@ -206,13 +278,13 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in (resources.files("gptforge") / "configs").iterdir() if p.name.endswith(".toml"))
 
 
-def load_config(preset: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the preset's TOML, then `section.key=value` overrides."""
-    cfg = Config()
+def load_config(preset: str | None = None, overrides: list[str] = (), base: Config | None = None) -> Config:
+    """Defaults (or `base`), then the preset's TOML, then `section.key=value` overrides."""
+    cfg = copy.deepcopy(base) if base is not None else Config()
     if preset:
         path = preset_path(preset)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(read_text(path))
         except tomllib.TOMLDecodeError as e:
             raise GptforgeError(f"{path}: invalid TOML ({e})") from None
         for section_name, values in data.items():
@@ -225,7 +297,7 @@ def load_config(preset: str | None = None, overrides: list[str] = ()) -> Config:
         if not eq:
             raise GptforgeError(f"--set {item}: expected section.key=value")
         _set(cfg, dotted.strip(), value, f"--set {item}", parse=True)
-    return cfg
+    return validate(cfg)
 
 
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
@@ -234,7 +306,7 @@ def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     for section_name, values in data.items():
         for key, value in values.items():
             _set(cfg, f"{section_name}.{key}", value, "checkpoint config")
-    return cfg
+    return validate(cfg, "checkpoint config")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import torch
@@ -11,10 +10,9 @@ import torch
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
-from gptforge.files import write_json
+from gptforge.files import check_output_dir, is_empty_dir, locked, swap_dir, temp_dir_for, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
-from gptforge.rundir import CONFIG
 from gptforge.train.trainer import train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
@@ -24,15 +22,21 @@ VAL_FRACTION = 0.02
 VOCAB_SIZE = 8192
 
 
-def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str]) -> dict:
+def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str], force: bool = False) -> dict:
+    """Train into `out` (new or empty; with `force` a non-empty one is replaced once the new run is complete)."""
     out_dir, data_dir = Path(out), Path(data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     cfg = load_config("demo-cpu", [*overrides, *budget, f"data.path={data_dir}"])
+    check_output_dir(out_dir, force, reads=[data_dir])
     prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
-    if (out_dir / CONFIG).is_file():
-        print(f"demo: replacing the previous demo run in {out_dir}")
-        shutil.rmtree(out_dir)
-    result = train(cfg, out_dir)
+    with locked(out_dir, "demo"):
+        replacing = not is_empty_dir(out_dir)
+        run_dir = temp_dir_for(out_dir) if replacing else out_dir  # the old run stays until the new one is done
+        result = train(cfg, run_dir)
+        if replacing:
+            swap_dir(run_dir, out_dir)
+            print(f"demo: replaced the previous run in {out_dir}")
+    checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
 
     before, after, vocab = result.first_val, result.last_val, result.config.model.vocab_size
     print("\n=== validation (held-out stdlib files) ===")
@@ -41,7 +45,7 @@ def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str
     for name, v in (("before", before), ("after", after)):
         print(f"{name:>10} {v['loss']:>8.4f} {v['ppl']:>10.2f} {v['bpb']:>10.3f}")
 
-    model, tok, _, _ = load_checkpoint(result.checkpoint)
+    model, tok, _, _ = load_checkpoint(checkpoint)
     g = torch.Generator().manual_seed(0)
     completions = []
     print("\n=== completions (temperature 0.6, top-k 50) ===")
@@ -58,10 +62,10 @@ def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str
         "tokens": result.tokens,
         "seconds": round(result.seconds, 1),
         "params": model.num_params(),
-        "checkpoint": str(result.checkpoint),
+        "checkpoint": str(checkpoint),
         "plot": str(plot),
         "completions": completions,
     }
     write_json(out_dir / "summary.json", summary)
-    print(f"wrote {result.checkpoint}, {out_dir / 'metrics.jsonl'}, {plot}, {out_dir / 'summary.json'}")
+    print(f"wrote {checkpoint}, {out_dir / 'metrics.jsonl'}, {plot}, {out_dir / 'summary.json'}")
     return summary

@@ -3,3 +3,9 @@
 
 class GptforgeError(Exception):
     """Bad input or state, with a message naming the file or flag and what was expected."""
+
+
+def first_detail(error: BaseException) -> str:
+    """The first informative line of a library's multi-line message (torch's start with a bare header)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if not line.endswith(":")), lines[0] if lines else type(error).__name__)

@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import gzip
 import json
+import math
 import os
 import shutil
 import zlib
@@ -38,8 +39,23 @@ def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryvi
     return path
 
 
+def to_json(value: Any, indent: int | None = None) -> str:
+    """Strict JSON: a non-finite float (a diverged loss, an empty mean) is written as null, never as NaN."""
+    return json.dumps(_finite(value), indent=indent, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json(path: str | Path, value: Any) -> Path:
-    return atomic_write(path, json.dumps(value, indent=2))
+    return atomic_write(path, to_json(value, indent=2))
 
 
 def temp_dir_path(final: Path) -> Path:
@@ -117,6 +133,9 @@ def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] =
         )
 
 
+_held: set[Path] = set()
+
+
 @contextlib.contextmanager
 def locked(folder: str | Path, what: str) -> Iterator[None]:
     """Hold an exclusive lock on `folder` (created if missing) for the block; a second holder gets one line
@@ -124,6 +143,10 @@ def locked(folder: str | Path, what: str) -> Iterator[None]:
     folder = Path(folder)
     _refuse_non_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    key = folder.resolve()
+    if key in _held:  # this process holds it already (the demo, then the training it runs)
+        yield
+        return
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -135,8 +158,10 @@ def locked(folder: str | Path, what: str) -> Iterator[None]:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held.add(key)
         yield
     finally:
+        _held.discard(key)
         os.close(fd)
 
 
@@ -192,4 +217,4 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
 def append_jsonl(path: str | Path, record: Any) -> None:
     """Add one line to an append-only log (metrics, samples): a crash can cut only the line being written."""
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(to_json(record) + "\n")

@@ -6,6 +6,7 @@ checkpoints/ (see checkpoint.py).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,35 @@ METRICS = "metrics.jsonl"
 SAMPLES = "samples.jsonl"
 
 
+# What gptforge train writes in every record of a kind (a value may be null where it was not finite).
+FIELDS = {
+    "train": ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "time"),
+    "val": ("loss", "ppl", "bpb"),
+    "hellaswag": ("acc_norm", "n"),
+}
+
+
 def read_metrics(run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", "hellaswag")) -> dict[str, list[dict]]:
     """A run's metrics.jsonl records grouped by kind, in file order (a line torn by a crash at the end is skipped)."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
         raise GptforgeError(f"{run_dir}: no {METRICS} (expected a folder written by `gptforge train`)")
-    by_kind: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
-    for _, record in read_jsonl(path, torn_tail_ok=True):
-        if isinstance(record, dict) and record.get("kind") in by_kind:
-            by_kind[record["kind"]].append(record)
-    return by_kind
+    records: list[dict[str, Any]] = []
+    for where, record in read_jsonl(path, torn_tail_ok=True):
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            raise GptforgeError(f"{where}: expected a JSON object with an integer 'step'")
+        missing = [k for k in FIELDS.get(record.get("kind"), ()) if k not in record]
+        if missing:
+            raise GptforgeError(f"{where}: a {record['kind']} record without {missing} (not written by gptforge train)")
+        if record.get("kind") == "resume":  # the steps an interrupted attempt logged past the checkpoint are redone
+            records = [r for r in records if r["step"] < record["step"] or (r["step"] == record["step"] > 0)]
+        records.append(record)
+    return {kind: [r for r in records if r.get("kind") == kind] for kind in kinds}
+
+
+def finite(records: list[dict], key: str) -> list[dict]:
+    """The records whose `key` is a finite number (a diverged step logs null)."""
+    return [r for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
 
 
 def format_duration(seconds: float) -> str:

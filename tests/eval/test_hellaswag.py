@@ -96,6 +96,9 @@ def test_bad_hellaswag_file(tmp_path):
     (tmp_path / "h.jsonl").write_text('{"ctx": "x", "endings": ["a", "b"], "label": 0}\n')
     with pytest.raises(GptforgeError, match=r"h\.jsonl:1: expected 4 endings"):
         read_examples(str(tmp_path / "h.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(GptforgeError, match=r"empty\.jsonl: no HellaSwag examples"):
+        read_examples(str(tmp_path / "empty.jsonl"))
     with pytest.raises(GptforgeError, match="cannot read"):
         read_examples(str(tmp_path / "missing.jsonl"))
 

@@ -197,3 +197,46 @@ def test_training_pushes_every_checkpoint(tmp_path, data_dir):
     assert git("log", "--format=%s", "run-b", cwd=remote).splitlines() == ["step 4", "step 2"]
     shown = git("show", "run-b:config.json", cwd=remote)
     assert json.loads(shown)["n_layer"] == 2
+
+
+def test_export_and_import_never_destroy_a_folder(tmp_path, capsys):
+    hf_model(seed=2).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["import", str(tmp_path / "hf"), "--out", str(run / "checkpoints" / "step_000000")]) == 0
+    snapshot = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    refused = [
+        (["export", str(run), "--out", str(run), "--force"], "which this command reads"),  # the run read from
+        (["export", str(run), "--out", str(tmp_path), "--force"], "which this command reads"),  # a parent of it
+        (["import", str(tmp_path / "hf"), "--out", str(tmp_path / "hf"), "--force"], "which this command reads"),
+        (["export", str(run), "--out", str(tmp_path / "hf")], "exists and is not empty; pick another folder"),
+        (["import", str(tmp_path / "hf"), "--out", str(run)], "exists and is not empty; pick another folder"),
+    ]
+    for args, message in refused:
+        assert main(args) == 1
+        assert message in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == snapshot
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "stale.txt").write_text("x")
+    assert main(["export", str(run), "--out", str(tmp_path / "old"), "--force"]) == 0
+    assert (tmp_path / "old" / "config.json").is_file()
+    assert not (tmp_path / "old" / "stale.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c.pop("n_embd"), r"n_embd=None \(expected a positive integer\)"),
+        (lambda c: c.update(n_head=3), "model.n_head=3 must divide model.n_embd=32"),
+        (lambda c: c.update(n_layer=3), "weights do not match config.json"),
+        (lambda c: c.update(n_positions=128), "weights do not match config.json .*size mismatch"),
+    ],
+)
+def test_an_hf_config_that_does_not_describe_the_weights_is_one_line(tmp_path, edit, message):
+    hf_model().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    edit(config)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GptforgeError, match=message):
+        import_hf(tmp_path / "hf")

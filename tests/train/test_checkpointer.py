@@ -1,6 +1,16 @@
-"""Checkpoint cadence and pruning during training."""
+"""Checkpoint cadence and pruning, resuming (damaged checkpoints, changed settings) and run-folder ownership."""
 
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gptforge.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
 from gptforge.config import load_config
+from gptforge.errors import GptforgeError
+from gptforge.rundir import CONFIG, read_metrics
 from gptforge.train.trainer import train
 
 
@@ -19,3 +29,117 @@ def test_keep_last_checkpoints_and_milestones(data_dir, tmp_path):
     train(cfg, tmp_path / "r")
     kept = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert kept == ["step_000004", "step_000008", "step_000009", "step_000010"]
+
+
+def tiny(data_dir, *overrides):
+    return load_config("tiny", [f"data.path={data_dir}", "eval.every=0", "eval.sample_tokens=0", *overrides])
+
+
+@pytest.fixture(scope="module")
+def saved_run(data_dir, tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4, copied by each test that changes it."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    train(tiny(data_dir, "train.max_steps=4", "checkpoint.every=2"), run)
+    return run
+
+
+def damage_truncate(ckpt):
+    path = ckpt / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def damage_no_optimizer(ckpt):
+    (ckpt / "optimizer.pt").unlink()
+
+
+def damage_meta(ckpt):
+    (ckpt / "meta.json").write_text('{"step": 4, "conf')
+
+
+@pytest.mark.parametrize("damage", [damage_truncate, damage_no_optimizer, damage_meta])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, data_dir, tmp_path, damage):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    damage(run / "checkpoints" / "step_000004")
+    with pytest.warns(UserWarning, match=r"step_000004: damaged checkpoint \(.*\); falling back to the previous"):
+        result = train(tiny(data_dir, "train.max_steps=4", "checkpoint.every=2"), run, resume="auto")
+    assert result.steps == 4
+    assert_same_weights(result.checkpoint, saved_run / "checkpoints" / "step_000004")  # redone exactly
+    with pytest.raises(GptforgeError, match="step_000002: damaged checkpoint"):  # a named one is not replaced
+        damage(run / "checkpoints" / "step_000002")
+        train(tiny(data_dir, "train.max_steps=4"), tmp_path / "new", resume=str(run / "checkpoints" / "step_000002"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = load_checkpoint(a)[0].state_dict(), load_checkpoint(b)[0].state_dict()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_a_new_max_steps_on_resume_is_honoured_and_said(saved_run, data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    result = train(tiny(data_dir, "train.max_steps=6", "checkpoint.every=2"), run, resume="auto")
+    assert result.steps == 6
+    assert "changed since that checkpoint: train.max_steps: 4 -> 6" in capsys.readouterr().out
+    assert "max_steps = 6" in (run / CONFIG).read_text()  # config.toml says what ran
+    metrics = read_metrics(run, kinds=("train", "resume"))
+    assert [r["step"] for r in metrics["train"]] == [1, 2, 3, 4, 5, 6]
+    assert metrics["resume"][0]["changes"] == ["train.max_steps: 4 -> 6"]
+    with pytest.raises(GptforgeError, match=r"train.max_steps=3: .*step_000006 is already at step 6"):
+        train(tiny(data_dir, "train.max_steps=3"), run, resume="auto")
+
+
+def test_a_resume_cannot_change_the_model_shape(saved_run, data_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    with pytest.raises(GptforgeError, match=r"the checkpoint's model has model.n_layer=2; a resume cannot change"):
+        train(tiny(data_dir, "train.max_steps=4", "model.n_layer=3"), run, resume="auto")
+
+
+def test_an_existing_run_is_never_overwritten(saved_run, data_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(GptforgeError, match="already holds a run; continue it with --resume auto"):
+        train(tiny(data_dir, "train.max_steps=4"), run)
+    other = tmp_path / "other"
+    shutil.copytree(saved_run, other)
+    with pytest.raises(GptforgeError, match="already holds a run; resume .* into an empty or new folder"):
+        train(tiny(data_dir, "train.max_steps=4"), other, resume=str(run / "checkpoints" / "step_000002"))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_a_second_train_into_the_same_folder_names_the_first(data_dir, tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from gptforge.files import locked\nwith locked({str(tmp_path)!r}, 'train'):\n"
+            "    print('held', flush=True)\n    input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(GptforgeError, match=rf"in use by another gptforge train \(pid {holder.pid}\)"):
+            train(tiny(data_dir, "train.max_steps=1"), tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+def test_checkpoints_are_ordered_by_step_past_999999(tmp_path):
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        ckpt = tmp_path / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step_1000001"
+    assert [p.name for p in prune_checkpoints(tmp_path, keep_last=2, milestone_every=0)] == [
+        "step_999998",
+        "step_999999",
+    ]
+    with pytest.raises(GptforgeError, match="keep_last=0: pruning keeps at least the newest"):
+        prune_checkpoints(tmp_path, keep_last=0, milestone_every=0)

@@ -35,6 +35,8 @@ def read_examples(source: str, limit: int = 0) -> list[dict[str, Any]]:
         out.append(example)
         if limit and len(out) >= limit:
             break
+    if not out:
+        raise GptforgeError(f"{source}: no HellaSwag examples (expected JSON lines with ctx, endings and label)")
     return out
 
 

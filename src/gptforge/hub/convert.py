@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from gptforge.config import Config, validate
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
-from gptforge.errors import GptforgeError
-from gptforge.files import building_dir, write_json
+from gptforge.errors import GptforgeError, first_detail
+from gptforge.files import building_dir, read_text, write_json
 from gptforge.model.gpt import GPT, GPTConfig
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -83,8 +84,13 @@ def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
 
 def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     """Our model config for an HF GPT-2 config.json; refuses variants our model does not compute."""
-    if config.get("model_type", "gpt2") != "gpt2":
-        raise GptforgeError(f"{where}: model_type {config.get('model_type')!r} is not gpt2")
+    if not isinstance(config, dict) or config.get("model_type", "gpt2") != "gpt2":
+        kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        raise GptforgeError(f"{where}: model_type {kind!r} is not gpt2")
+    for key in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd"):
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise GptforgeError(f"{where}: {key}={value!r} (expected a positive integer)")
     checks = {
         "activation_function": (config.get("activation_function", "gelu_new"), {"gelu_new", "gelu_pytorch_tanh"}),
         "n_inner": (config.get("n_inner"), {None, 4 * config["n_embd"]}),
@@ -97,13 +103,14 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
             raise GptforgeError(
                 f"{where}: {key}={value!r} is not supported (expected one of {sorted(map(str, allowed))})"
             )
-    return GPTConfig(
+    cfg = GPTConfig(
         block_size=config["n_positions"],
         vocab_size=config["vocab_size"],
         n_layer=config["n_layer"],
         n_head=config["n_head"],
         n_embd=config["n_embd"],
     )
+    return validate(Config(model=cfg), str(where)).model
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -157,10 +164,16 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path]:
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face GPT-2 model folder)")
-    cfg = gpt_config_from_hf(json.loads(config_path.read_text()), config_path)
+    try:
+        cfg = gpt_config_from_hf(json.loads(read_text(config_path)), config_path)
+    except json.JSONDecodeError as e:
+        raise GptforgeError(f"{config_path}: not JSON ({e})") from None
     model = GPT(cfg)
     state = from_hf_state_dict(read_hf_weights(hf_dir), cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that config.json does not describe
+        raise GptforgeError(f"{hf_dir}: weights do not match config.json ({first_detail(e)})") from None
     if missing or unexpected:
         raise GptforgeError(f"{hf_dir}: weights do not match config.json (missing {missing}, unexpected {unexpected})")
     return model.eval(), _hf_tokenizer(hf_dir, cfg)

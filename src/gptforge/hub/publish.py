@@ -9,16 +9,24 @@ from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_check
 from gptforge.config import Config
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.files import check_output_dir
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.git import push_folder
 from gptforge.model.gpt import GPT
 
 
 def export_checkpoint(
-    checkpoint: str | Path, out_dir: str | Path, push: str = "", branch: str = "", message: str = ""
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    push: str = "",
+    branch: str = "",
+    message: str = "",
+    force: bool = False,
 ) -> list[str]:
     """`gptforge export`: a checkpoint (or a run's newest) as an HF folder, optionally committed to `push`
-    on `branch` (default: the run folder's name); returns what was done, a line each."""
+    on `branch` (default: the run folder's name); returns what was done, a line each. An existing non-empty
+    `out_dir` is replaced (atomically) only with `force`."""
+    check_output_dir(out_dir, force, reads=[resolve_checkpoint(checkpoint)])
     model, tok, _, meta = load_checkpoint(checkpoint)
     out = export_hf(model, tok, out_dir)
     done = [f"wrote {out} (config.json, model.safetensors, tokenizer files)"]
@@ -38,8 +46,10 @@ def export_and_push(model: GPT, tokenizer: Tokenizer, remote: str, branch: str, 
         return push_folder(export_hf(model, tokenizer, Path(tmp) / "model"), remote, branch, message)
 
 
-def import_checkpoint(hf_dir: str | Path, out: str | Path) -> str:
-    """`gptforge import`: an HF GPT-2 folder as a gptforge checkpoint (no optimizer state, step 0)."""
+def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) -> str:
+    """`gptforge import`: an HF GPT-2 folder as a gptforge checkpoint (no optimizer state, step 0); an existing
+    non-empty `out` is replaced (atomically) only with `force`."""
+    check_output_dir(out, force, reads=[hf_dir])
     model, tokenizer = import_hf(hf_dir)
     tok = load_tokenizer(str(tokenizer))
     meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}

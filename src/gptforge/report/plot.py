@@ -7,6 +7,7 @@ lines, learning rate, gradient norm, tokens/s.
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 from gptforge.errors import GptforgeError
@@ -24,6 +25,13 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
         avg = beta * avg + (1 - beta) * v
         out.append(avg / (1 - beta**i))
     return out
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """Steps and finite values of `key` (a diverged step logs null; a hand-edited line may lack the key)."""
+    pairs = [(r["step"], r.get(key)) for r in records]
+    kept = [(s, float(v)) for s, v in pairs if isinstance(v, (int, float)) and math.isfinite(v)]
+    return [s for s, _ in kept], [v for _, v in kept]
 
 
 def _records(run_dir: Path) -> dict[str, list[dict]]:
@@ -47,22 +55,19 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tupl
     for i, (run_dir, rec) in enumerate(runs):
         color, name = f"C{i}", run_dir.name
         train, val, hs = rec["train"], rec["val"], rec["hellaswag"]
-        if train:
-            steps = [r["step"] for r in train]
-            losses = [r["loss"] for r in train]
-            ax["loss"].plot(steps, losses, color=color, alpha=0.2, linewidth=0.7)
-            ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
-            ax["learning rate"].plot(steps, [r["lr"] for r in train], color=color, label=name)
-            ax["grad norm (pre-clip)"].plot(steps, smooth([r["grad_norm"] for r in train]), color=color, label=name)
-            ax["tokens/s"].plot(steps, smooth([r["tokens_per_s"] for r in train]), color=color, label=name)
-        if val:
-            vsteps = [r["step"] for r in val]
-            ax["loss"].plot(vsteps, [r["loss"] for r in val], "o--", color=color, markersize=3, label=f"{name} val")
-            ax["val bits per byte"].plot(vsteps, [r["bpb"] for r in val], "o-", color=color, markersize=3, label=name)
-        if hs:
-            ax["HellaSwag acc_norm"].plot(
-                [r["step"] for r in hs], [r["acc_norm"] for r in hs], "o-", color=color, markersize=3, label=name
-            )
+        for panel, key in (
+            ("learning rate", "lr"),
+            ("grad norm (pre-clip)", "grad_norm"),
+            ("tokens/s", "tokens_per_s"),
+        ):
+            steps, values = _series(train, key)
+            ax[panel].plot(steps, values if key == "lr" else smooth(values), color=color, label=name)
+        steps, losses = _series(train, "loss")
+        ax["loss"].plot(steps, losses, color=color, alpha=0.2, linewidth=0.7)
+        ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
+        ax["loss"].plot(*_series(val, "loss"), "o--", color=color, markersize=3, label=f"{name} val")
+        ax["val bits per byte"].plot(*_series(val, "bpb"), "o-", color=color, markersize=3, label=name)
+        ax["HellaSwag acc_norm"].plot(*_series(hs, "acc_norm"), "o-", color=color, markersize=3, label=name)
     refs = ax["HellaSwag acc_norm"]
     refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")
     refs.axhline(GPT3_125M_ACC_NORM, color="black", linestyle=":", label=f"GPT-3 125M ({GPT3_125M_ACC_NORM:.1%})")
@@ -76,8 +81,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tupl
     fig.suptitle(" vs ".join(d.name for d, _ in runs))
     fig.tight_layout()
     out = Path(out) if out else runs[0][0] / "loss.png"
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
+    kind = out.suffix[1:].lower() or "png"
+    if kind not in fig.canvas.get_supported_filetypes():
+        raise GptforgeError(f"--out {out}: unknown image format {kind!r} (expected .png, .pdf, .svg, ...)")
+    image = io.BytesIO()
+    fig.savefig(image, format=kind, dpi=100)
     plt.close(fig)
-    atomic_write(out, png.getvalue())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, image.getvalue())
     return out, list(PANELS)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
 from gptforge.files import atomic_write
-from gptforge.rundir import CONFIG, format_duration, read_metrics
+from gptforge.rundir import CONFIG, finite, format_duration, read_metrics
 
 
 def run_report(run_dir: str | Path) -> str:
@@ -14,7 +15,7 @@ def run_report(run_dir: str | Path) -> str:
     also written to RUN_DIR/report.md."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    train, val, hs = records["train"], records["val"], records["hellaswag"]
+    train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm")
     lines = [f"# Run `{run_dir.name}`", "", "| metric | value |", "| --- | --- |"]
     if train:
         steady = train[1:] or train  # the first step pays for warm-up
@@ -22,9 +23,9 @@ def run_report(run_dir: str | Path) -> str:
             f"| steps | {train[-1]['step']:,} |",
             f"| tokens seen | {train[-1]['tokens']:,} |",
             f"| wall time (train records) | {format_duration(train[-1]['time'] - train[0]['time'])} |",
-            f"| mean tokens/s | {statistics.fmean(r['tokens_per_s'] for r in steady):,.0f} |",
-            f"| mean MFU | {statistics.fmean(r.get('mfu', 0.0) for r in steady):.1%} |",
-            f"| final train loss | {train[-1]['loss']:.4f} |",
+            f"| mean tokens/s | {_mean(steady, 'tokens_per_s'):,.0f} |",
+            f"| mean MFU | {_mean(steady, 'mfu'):.1%} |",
+            f"| final train loss | {_mean(train[-1:], 'loss'):.4f} |",
             f"| skipped (non-finite) steps | {train[-1].get('skipped', 0)} |",
         ]
     if val:
@@ -46,3 +47,9 @@ def run_report(run_dir: str | Path) -> str:
     text = "\n".join(lines) + "\n"
     atomic_write(run_dir / "report.md", text)
     return text
+
+
+def _mean(records: list[dict], key: str) -> float:
+    """Mean of the finite values (nan when there are none: a diverged last step)."""
+    values = [r[key] for r in finite(records, key)]
+    return statistics.fmean(values) if values else math.nan

@@ -23,9 +23,16 @@ def resolve_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise GptforgeError(f"train.device={name!r}: expected auto, cpu, cuda, cuda:N or mps") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise GptforgeError(f"train.device={name!r}: expected auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GptforgeError(f"train.device={name!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise GptforgeError(f"train.device={name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    mps = getattr(torch.backends, "mps", None)
+    if device.type == "mps" and not (mps and mps.is_available()):
+        raise GptforgeError(f"train.device={name!r}: Apple MPS is not available on this machine")
     return device
 
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gptforge.checkpoint import prune_checkpoints, resolve_checkpoint, restore_training_state, save_checkpoint
-from gptforge.config import Config
+from gptforge.checkpoint import (
+    checkpoints,
+    prune_checkpoints,
+    read_meta,
+    resolve_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+)
+from gptforge.config import Config, config_from_dict, load_config, to_dict
 from gptforge.data.prefetch import Prefetcher
 from gptforge.data.tokenizer import Tokenizer
+from gptforge.errors import GptforgeError
+from gptforge.files import is_empty_dir
 from gptforge.hub.publish import export_and_push
 from gptforge.runtime.distributed import DistEnv, print0
 from gptforge.train.setup import TrainSetup
@@ -40,14 +49,80 @@ class Checkpointer:
             print0(self.env, f"pushed step {state.step} to {ckpt.push} branch {branch} ({commit[:12]})")
         return path
 
-    def restore(self, resume: str, state: TrainState, loader) -> Path:
-        """Continue from `resume` ('auto': this run's newest checkpoint, else a path) into the fresh setup."""
+    def restore(self, ckpt: Path, state: TrainState, loader) -> list[str]:
+        """Continue from `ckpt` into the fresh setup; returns the settings that changed since it was saved, each
+        honoured ('key: old -> new'). A new train.max_steps re-spans the schedule from the step reached."""
         s = self.setup
-        ckpt = resolve_checkpoint(self.run_dir if resume == "auto" else resume)
+        before = config_from_dict(read_meta(ckpt)["config"])
+        changes = config_changes(before, self.cfg)  # refuses a new model shape before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
         loader.load_state_dict(meta["loader"])
         state.load_state_dict(meta)
         if meta.get("scaler"):
             s.scaler.load_state_dict(meta["scaler"])
         self.last_good = ckpt
-        return ckpt
+        if self.cfg.train.max_steps != before.train.max_steps:
+            if self.cfg.train.max_steps <= state.step:
+                raise GptforgeError(
+                    f"train.max_steps={self.cfg.train.max_steps}: {ckpt} is already at step {state.step}"
+                )
+            state.max_steps = self.cfg.train.max_steps
+        print0(self.env, f"resumed from {ckpt} at step {state.step} of {state.max_steps}")
+        for change in changes:
+            print0(self.env, f"  changed since that checkpoint: {change}")
+        return changes
+
+
+def find_resume(run_dir: Path, resume: str | None) -> Path | None:
+    """The checkpoint to continue from: 'auto' is the run's newest intact one (none yet: start fresh),
+    anything else a checkpoint or run folder."""
+    if not resume or (resume == "auto" and not checkpoints(run_dir)):
+        return None
+    return resolve_checkpoint(run_dir if resume == "auto" else resume, for_training=True)
+
+
+def claim_run_dir(run_dir: Path, resume: str | None, resume_from: Path | None) -> None:
+    """Refuse to start in a folder that holds another run's files: continuing a run needs --resume, and a
+    checkpoint of another run resumes only into an empty folder (two runs' files never mix)."""
+    if is_empty_dir(run_dir):
+        return
+    if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
+        return
+    if resume == "auto" and resume_from is None:
+        return  # an earlier attempt stopped before its first checkpoint: start over, its log lines are superseded
+    raise GptforgeError(
+        f"--out {run_dir}: already holds a run; continue it with --resume auto, or pick another --out"
+        if resume_from is None
+        else f"--out {run_dir}: already holds a run; resume {resume_from} into an empty or new folder"
+    )
+
+
+def resume_config(run_dir: Path, resume: str, overrides: list[str]) -> Config:
+    """What `train --resume` without --config continues with: the checkpoint's own config plus `overrides`."""
+    ckpt = find_resume(run_dir, resume)
+    if ckpt is None:
+        raise GptforgeError(f"--resume {resume}: {run_dir} has no checkpoint yet; give --config to start the run")
+    return load_config(overrides=overrides, base=config_from_dict(read_meta(ckpt)["config"]))
+
+
+# Model fields that shape the weights: a resume cannot change them.
+SHAPE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "vocab_multiple")
+
+
+def config_changes(before: Config, now: Config) -> list[str]:
+    """'section.key: old -> new' for each setting that differs; a change of the model's shape is an error."""
+    old, new = to_dict(before), to_dict(now)
+    changes = [
+        f"{section}.{key}: {old[section].get(key)!r} -> {value!r}"
+        for section, values in new.items()
+        for key, value in values.items()
+        if old[section].get(key) != value
+    ]
+    shape = [k for k in SHAPE if getattr(before.model, k) != getattr(now.model, k)]
+    if shape:
+        theirs = ", ".join(f"model.{k}={getattr(before.model, k)}" for k in shape)
+        raise GptforgeError(
+            f"the checkpoint's model has {theirs}; a resume cannot change the model's shape "
+            "(resume with the run's own config, or start a new run with train.init_from)"
+        )
+    return changes

@@ -71,6 +71,7 @@ class Evaluator:
         leave the training RNG untouched (dropout would otherwise draw from it), so resumes stay exact."""
         s, prompt = self.setup, self.cfg.eval.prompt
         g = torch.Generator(device=s.device).manual_seed(self.cfg.train.seed + step)
+        was_training = s.model.training
         s.model.eval()
         with autocast(s.device, s.dtype):
             new = generate(
@@ -81,7 +82,7 @@ class Evaluator:
                 eot=self.tokenizer.eot,
                 generator=g,
             )
-        s.model.train()
+        s.model.train(was_training)
         text = prompt + self.tokenizer.decode(new[0])
         append_jsonl(self.run_dir / SAMPLES, {"step": step, "prompt": prompt, "text": text})
         return text

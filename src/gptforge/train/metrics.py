@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from gptforge.errors import GptforgeError
+from gptforge.errors import GptforgeError, first_detail
+from gptforge.files import to_json
 from gptforge.rundir import METRICS
 
 
@@ -31,11 +31,18 @@ class MetricsLog:
                 import wandb
             except ImportError:
                 raise GptforgeError("log.wandb needs the wandb package (pip install wandb)") from None
-            self._wandb = wandb.init(project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config)
+            try:
+                self._wandb = wandb.init(project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config)
+            except Exception as e:  # wandb raises its own types for a missing login, a network failure, ...
+                self.close(failed=True)
+                raise GptforgeError(
+                    f"log.wandb={wandb_project}: W&B could not start ({first_detail(e)}); run `wandb login`, "
+                    "or set WANDB_MODE=offline to log locally and `wandb sync` later"
+                ) from None
 
     def write(self, kind: str, step: int, **values: Any) -> None:
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(to_json(record) + "\n")
         self._file.flush()
         numbers = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
         if self._tb is not None:

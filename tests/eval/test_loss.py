@@ -1,0 +1,33 @@
+"""Validation loss and bits per byte against a known answer."""
+
+import math
+
+import pytest
+import torch
+
+from gptforge.data.prepare import prepare
+from gptforge.data.tokenizer import load_tokenizer
+from gptforge.eval.loss import evaluate_loss
+from gptforge.model.gpt import GPT, GPTConfig
+
+DOC = "déjà vu: naïve café ☕ — 日本語のテキスト, Ünïcödé everywhere.\n"
+
+
+def test_all_zero_logits_give_ln_v_and_the_exact_bits_per_byte(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):  # identical documents: every split has the same tokens-per-byte ratio
+        (corpus / f"doc_{i:02d}.txt").write_text(DOC * 3, encoding="utf-8")
+    prepare(str(corpus), tmp_path / "data", val_fraction=0.25, workers=1)
+    tok = load_tokenizer("gpt2")
+    tokens_per_doc = len(tok.encode(DOC * 3)) + 1  # each document ends with EOT
+    bytes_per_doc = len((DOC * 3).encode("utf-8"))
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # tied to wte: every logit is 0, the uniform distribution
+    result = evaluate_loss(model, tmp_path / "data", 2, 16, 10_000, torch.device("cpu"), torch.float32)
+    V = tok.vocab_size
+    assert result["loss"] == pytest.approx(math.log(V), rel=1e-6)
+    assert result["ppl"] == pytest.approx(V, rel=1e-5)
+    assert result["bpb"] == pytest.approx(math.log(V) / math.log(2) * tokens_per_doc / bytes_per_doc, rel=1e-6)
