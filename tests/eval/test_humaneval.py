@@ -1,5 +1,7 @@
 """HumanEval: the pass@k estimator, the sandbox, and the whole loop on real problems."""
 
+import gzip
+import json
 import subprocess
 from math import comb
 from pathlib import Path
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from gptforge.data.tokenizer import load_tokenizer
+from gptforge.errors import GptforgeError
 from gptforge.eval.humaneval import (
     assemble_program,
     evaluate_humaneval,
@@ -188,3 +191,21 @@ def test_every_canonical_solution_passes_through_the_assembly_and_the_sandbox():
     results = run_programs([assemble_program(p, p["canonical_solution"]) for p in problems], workers=2)
     failed = [(p["task_id"], why) for p, (ok, why) in zip(problems, results, strict=True) if not ok]
     assert not failed  # pass@1 of the reference solutions is 1.0
+
+
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"task_id": "t", "test": "", "entry_point": "f"}, "no 'prompt'"),
+        ({"task_id": "t", "prompt": "", "test": "", "entry_point": 3}, "'entry_point' is not a string"),
+        (["not", "an", "object"], "expected a HumanEval problem with task_id, prompt, test, entry_point"),
+    ],
+)
+def test_a_malformed_problem_names_the_file_line_and_key(tmp_path, record, message):
+    path = tmp_path / "problems.jsonl.gz"
+    good = {"task_id": "t", "prompt": "", "test": "", "entry_point": "f"}
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+    with pytest.raises(GptforgeError) as e:
+        read_problems(str(path))
+    assert str(e.value).startswith(f"{path}:3: {message}") and "\n" not in str(e.value)

