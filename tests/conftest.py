@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from gptforge.data.prepare import prepare
+
+# Tests run on the CPU even where a GPU is visible (subprocesses inherit this): the same numbers on every machine.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TEMPLATE = '''def {name}(values):
     """Return the {what} of values."""

@@ -35,7 +35,7 @@ while True:
         proc.stdout.readline()  # the first checkpoint is complete
         time.sleep(delay)
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=60)
         ckpt = latest_checkpoint(tmp_path)
         assert ckpt is not None
         model, _, _, meta = load_checkpoint(ckpt)

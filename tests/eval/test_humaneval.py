@@ -128,7 +128,7 @@ def test_signals_to_other_processes_are_refused():
         assert victim.poll() is None
     finally:
         victim.kill()
-        victim.wait()
+        victim.wait(timeout=60)
 
 
 def test_the_sandbox_keeps_its_own_directory_writable_and_reading_open(tmp_path):

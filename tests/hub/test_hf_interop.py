@@ -116,7 +116,7 @@ def test_cli_import_then_export_then_sample(tmp_path, capsys):
 
 
 def git(*args, cwd=None):
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=120).stdout
 
 
 def test_export_push_commits_one_branch_per_run(tmp_path):

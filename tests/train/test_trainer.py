@@ -102,6 +102,14 @@ def test_non_finite_steps_are_skipped_then_stop(data_dir, tmp_path, monkeypatch)
         train(cfg, tmp_path / "b")
 
 
+def test_a_diverging_run_ends_by_the_skip_rule_with_samples_and_evaluation_on(data_dir, tmp_path):
+    overrides = ["optim.lr=1e9", "optim.warmup_steps=1", "train.max_steps=60", "eval.every=3", "checkpoint.every=2"]
+    with pytest.raises(GptforgeError, match=r"10 steps in a row with a non-finite loss .* last good checkpoint: "):
+        train(tiny_cfg(data_dir, *overrides), tmp_path / "r")
+    metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
+    assert "NaN" not in metrics and "Infinity" not in metrics
+
+
 def test_gpt2_124m_preset_starts_on_cpu(data_dir, tmp_path):
     small = [
         "model.n_layer=2",

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, KVCache
 
 
@@ -30,7 +31,10 @@ def sample_next(
         outside = probs.cumsum(dim=-1) - probs > top_p
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+    probs = torch.softmax(logits, dim=-1)
+    if not torch.isfinite(probs).all():  # inf/nan logits: a diverged model, not something to sample from
+        raise GptforgeError("the model's next-token probabilities are not finite (its weights have diverged)")
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()

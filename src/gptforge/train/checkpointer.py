@@ -40,7 +40,8 @@ class Checkpointer:
         path = save_checkpoint(
             self.run_dir, state.step, s.model, s.optimizer, self.cfg, self.tokenizer, extra, self.env
         )
-        self.last_good = path
+        if not state.skipped_in_row:  # weights saved in the middle of a run of skipped steps are suspect
+            self.last_good = path
         if self.env.is_main and ckpt.keep_last:
             prune_checkpoints(self.run_dir, ckpt.keep_last, ckpt.milestone_every)
         if self.env.is_main and ckpt.push:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ class Evaluator:
             hs = evaluate_hellaswag(s.model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
             self.metrics.write("hellaswag", step, **hs)
             print0(self.env, f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
-        if cfg.eval.sample_tokens > 0 and env.is_main:
+        if cfg.eval.sample_tokens > 0 and env.is_main and math.isfinite(val["loss"]):  # nothing to read otherwise
             print0(self.env, f"step {step:>6} | sample: {self.sample(step)!r}")
         self.seconds = time.perf_counter() - t
         print0(self.env, f"step {step:>6} | val {format_loss(val)} | {self.seconds:.1f}s")
