@@ -1,5 +1,6 @@
 """Checkpoint folders: crash-safe writes, RNG state."""
 
+import errno
 import subprocess
 import sys
 import time
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gptforge.cli import main
 from gptforge.model.gpt import GPT
 
 
@@ -58,3 +60,31 @@ def test_checkpoint_holds_rng_state(tmp_path):
 
     set_rng_state(state)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    import gptforge.checkpoint
+
+    real_save, saves = gptforge.checkpoint.save_model, []
+
+    def fills_the_disk(model, path):
+        saves.append(path)
+        if len(saves) == 2:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_save(model, path)
+
+    monkeypatch.setattr(gptforge.checkpoint, "save_model", fills_the_disk)
+    run = tmp_path / "run"
+    args = ["train", "--config", "tiny", "--data", str(data_dir), "--out", str(run), "--set", "train.max_steps=4"]
+    assert main([*args, "--set", "checkpoint.every=2", "--set", "eval.every=0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gptforge train: error: ") and err.endswith(
+        "model.safetensors: No space left on device (check the disk space and permissions there)"
+    )
+    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_000002"]
+    assert load_checkpoint(run)[3]["step"] == 2
+    assert main([*args, "--resume", "auto"]) == 0  # space freed: the run continues from step 2

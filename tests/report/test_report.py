@@ -37,3 +37,38 @@ def test_plot_overlays_runs_with_every_panel_and_report(data_dir, tmp_path, caps
     for row in ("| steps | 4 |", "| tokens seen | 1,024 |", "best val loss", "best HellaSwag acc_norm", "```toml"):
         assert row in text
     assert (tmp_path / "a" / "report.md").read_text() == text == run_report(tmp_path / "a")
+
+
+def write_metrics(run, *records):
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+TRAIN = {"kind": "train", "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "mfu": 0.1, "time": 0.0}
+
+
+def test_plot_and_report_survive_a_diverged_step_and_a_torn_line_and_name_a_bad_one(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_metrics(
+        run,
+        {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8},
+        {**TRAIN, "step": 2, "loss": None, "grad_norm": None, "tokens": 16},  # a diverged step, logged as null
+        {"kind": "val", "step": 2, "loss": 2.5, "ppl": 12.2, "bpb": 1.1},
+    )
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 3, "lo')  # torn by a crash mid-append
+    assert main(["plot", str(run), "--out", str(tmp_path / "new" / "dir" / "curves.pdf")]) == 0
+    assert (tmp_path / "new" / "dir" / "curves.pdf").read_bytes()[:5] == b"%PDF-"  # the format the name asks for
+    assert main(["report", str(run)]) == 0
+    assert "| best val loss | 2.5000 (step 2) |" in capsys.readouterr().out
+
+    assert main(["plot", str(run), "--out", str(tmp_path / "x.nope")]) == 1
+    assert "unknown image format 'nope'" in capsys.readouterr().err
+    write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8}, {"kind": "train", "step": 2}, {"a": 1})
+    for command in ("plot", "report"):
+        assert main([command, str(run)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(
+            "metrics.jsonl:2: a train record without ['loss', 'lr', 'grad_norm', 'tokens', "
+            "'tokens_per_s', 'time'] (not written by gptforge train)"
+        ), err
