@@ -1,6 +1,9 @@
-"""Helpers shared by test modules: reading a run's losses and weights, running the CLI in a subprocess."""
+"""Helpers shared by test modules: reading a run's losses and weights, running the CLI in a subprocess, a lock
+held by another process."""
 
+import contextlib
 import json
+import subprocess
 import sys
 
 from gptforge.checkpoint import load_checkpoint
@@ -17,3 +20,19 @@ def cli(*args):
 
 def weights(ckpt):
     return load_checkpoint(ckpt)[0].state_dict()
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(folder):
+    """Another process holding `locked(folder)` for the block; yields its pid and SIGKILLs it at the end."""
+    program = (
+        f"from gptforge.files import locked\nwith locked({str(folder)!r}, 'train'):\n"
+        "    print('held', flush=True)\n    input()"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -2,11 +2,9 @@
 
 import gzip
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
+from tests.helpers import lock_held_elsewhere
 
 from gptforge.errors import GptforgeError
 from gptforge.files import (
@@ -135,24 +133,9 @@ def test_check_output_dir_refuses_what_would_destroy_data(tmp_path):
 
 
 def test_a_locked_folder_names_its_holder_and_is_released_by_kill_9(tmp_path):
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from gptforge.files import locked\nwith locked({str(tmp_path)!r}, 'x'):\n"
-            "    print('held', flush=True)\n    input()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline() == "held\n"
-        busy = rf"in use by another gptforge train \(pid {holder.pid}\)"
+    with lock_held_elsewhere(tmp_path) as pid:
+        busy = rf"in use by another gptforge train \(pid {pid}\)"
         with pytest.raises(GptforgeError, match=busy), locked(tmp_path, "train"):
             pass
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(timeout=30)
     with locked(tmp_path, "train"):  # nothing stale after a kill -9
         assert (tmp_path / LOCK).read_text() == f"{os.getpid()}\n"

@@ -1,11 +1,10 @@
 """Checkpoint cadence and pruning, resuming (damaged checkpoints, changed settings) and run-folder ownership."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from tests.helpers import lock_held_elsewhere
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
 from gptforge.config import load_config
@@ -111,24 +110,11 @@ def test_an_existing_run_is_never_overwritten(saved_run, data_dir, tmp_path):
 
 
 def test_a_second_train_into_the_same_folder_names_the_first(data_dir, tmp_path):
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from gptforge.files import locked\nwith locked({str(tmp_path)!r}, 'train'):\n"
-            "    print('held', flush=True)\n    input()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(GptforgeError, match=rf"in use by another gptforge train \(pid {holder.pid}\)"):
-            train(tiny(data_dir, "train.max_steps=1"), tmp_path)
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
+    with (
+        lock_held_elsewhere(tmp_path) as pid,
+        pytest.raises(GptforgeError, match=rf"another gptforge train \(pid {pid}\)"),
+    ):
+        train(tiny(data_dir, "train.max_steps=1"), tmp_path)
 
 
 def test_checkpoints_are_ordered_by_step_past_999999(tmp_path):
