@@ -83,6 +83,9 @@ class TrainConfig:
     """torch.compile the model for training (evaluation and sampling keep working)."""
     zero: bool = False
     """Shard AdamW's state across processes (ZeroRedundancyOptimizer) for models whose optimizer does not fit."""
+    dist_timeout: float = 300.0
+    """Seconds a rank waits for the others in a collective before the run fails (PyTorch waits 1800): 5 minutes
+    covers the others waiting while rank 0 writes a checkpoint; raise it if `checkpoint.push` takes longer."""
     batch_ramp_tokens: int = 0
     """GPT-3's batch ramp: grow the batch linearly from one micro-batch per process to batch_tokens over this
     many tokens (0: full batch from the start)."""

@@ -1,10 +1,13 @@
-"""The time budget on a fake clock: the step count it fits, and the stop vote."""
+"""The time budget on a fake clock: the step count it fits, and the stop vote; what counts as blocked."""
+
+import threading
+import time
 
 import torch
 
 from gptforge.config import load_config
 from gptforge.runtime.distributed import SINGLE
-from gptforge.train.stopping import CALIBRATION_END, CALIBRATION_START, StopSignal, TimeBudget
+from gptforge.train.stopping import CALIBRATION_END, CALIBRATION_START, StopSignal, TimeBudget, _blocked_stack
 
 
 def budget(seconds, eval_every=0, has_val=True):
@@ -40,3 +43,25 @@ def test_stop_vote_on_time_and_on_a_signal():
     stop.received = 15
     assert b.stop_vote(stop, elapsed=1.0) == "a stop signal"
     assert budget(0).stop_vote(StopSignal(), elapsed=1e9) is None
+
+
+def test_a_main_thread_in_one_native_call_is_blocked_and_one_running_python_is_not():
+    def sample():
+        time.sleep(0.2)  # the main thread is in its loop or its sleep by then
+        found.append(_blocked_stack(0.3))
+
+    found = []
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    time.sleep(1.0)  # one native call
+    watcher.join()
+    assert found[0][-1].name == "test_a_main_thread_in_one_native_call_is_blocked_and_one_running_python_is_not"
+
+    def step():  # like a training step: Python calling native ops
+        return torch.ones(64, 64) @ torch.ones(64, 64)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    while watcher.is_alive():
+        step()
+    assert found[1] is None

@@ -5,8 +5,14 @@ A plain `python -m gptforge train` is a world of one: every helper here is then 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import re
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,9 +38,9 @@ class DistEnv:
 SINGLE = DistEnv()  # a world of one
 
 
-def init(device_name: str) -> tuple[DistEnv, str]:
-    """Join the process group the launcher describes (RANK, LOCAL_RANK, WORLD_SIZE); returns the env and the
-    device this rank should use: cuda:LOCAL_RANK on GPUs (nccl), the requested device otherwise (gloo)."""
+def init(device_name: str, timeout: float) -> tuple[DistEnv, str]:
+    """Join the process group the launcher describes (RANK, LOCAL_RANK, WORLD_SIZE), its collectives failing after
+    `timeout` seconds; returns the env and this rank's device: cuda:LOCAL_RANK (nccl), else the requested (gloo)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return DistEnv(), device_name
@@ -44,10 +50,47 @@ def init(device_name: str) -> tuple[DistEnv, str]:
         torch.cuda.set_device(env.local_rank)
         device_name = f"cuda:{env.local_rank}"
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     if dist.get_world_size() != world:
         raise GptforgeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} processes")
     return env, device_name
+
+
+# How gloo (and nccl in blocking mode) word a peer that did not answer in time, and one that went away.
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_LOST = re.compile(r"connection (reset|closed)|closed by peer|broken pipe", re.IGNORECASE)
+_PACKAGE = str(Path(__file__).parents[1])
+
+
+@contextlib.contextmanager
+def peer_failures(env: DistEnv, timeout: float) -> Iterator[None]:
+    """Turn a collective's RuntimeError for a peer that timed out or went away into a one-line GptforgeError."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        timed_out = bool(_TIMED_OUT.search(text))
+        if not env.distributed or not (timed_out or _LOST.search(text)):
+            raise
+        where = waiting_in(traceback.extract_tb(e.__traceback__))
+        # gloo's first sentence, less the source file and line it starts with
+        detail = re.sub(r"^\[[^\]]*\] *", "", text.splitlines()[0]).split(". ")[0]
+        if timed_out:
+            why = f"timed out: a peer rank did not respond within train.dist_timeout={timeout:g}s (stalled or dead)"
+        else:
+            why = "failed: a peer rank closed its connection (it exited)"
+        raise GptforgeError(f"rank {env.rank}: {where} {why}; see the other ranks' output [{detail}]") from e
+
+
+def waiting_in(frames: list[traceback.FrameSummary]) -> str:
+    """What a stack (or traceback) is blocked in, and the gptforge function above the helpers here that called it:
+    'all_reduce in stop_vote'."""
+    innermost = frames[-1]
+    what = "backward (DDP's gradient all-reduce)" if "autograd" in innermost.filename else innermost.name
+    ours = (f.name for f in reversed(frames) if f.filename.startswith(_PACKAGE) and f.filename != __file__)
+    caller = next(ours, None)
+    return f"{what} in {caller}" if caller else what
 
 
 def cleanup() -> None:

@@ -3,37 +3,92 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
+import time
+import traceback
 
 import torch
 
 from gptforge.config import Config
-from gptforge.runtime.distributed import DistEnv, all_reduce_sum, broadcast_int, print0
+from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum, broadcast_int, print0, waiting_in
 
 # A time budget fixes the step count from the pace of steps CALIBRATION_START..CALIBRATION_END
 # (the first steps pay for warm-up: allocator, compilation).
 CALIBRATION_START, CALIBRATION_END = 5, 25
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A training step returns to Python every few milliseconds; a main thread this long in one native call when a stop
+# signal comes is waiting on a peer rank that stopped responding, and would not reach the stop vote.
+BLOCKED_SECONDS = 10.0
 
 
 class StopSignal:
-    """SIGTERM/SIGINT request a checkpoint and a clean exit at the end of the current step."""
+    """SIGTERM/SIGINT request a checkpoint and a clean exit at the end of the current step; in a distributed run, a
+    signal that finds this rank blocked (BLOCKED_SECONDS in one native call) ends the process at once instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: DistEnv = SINGLE) -> None:
         self.received: int | None = None
+        self.env = env
         self._previous = {}
+        self._wakeup: int | None = None
 
     def __enter__(self) -> StopSignal:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if self.env.distributed and self._previous:
+            # Python runs the handler between bytecodes, never while a collective waits; the wakeup fd gets the
+            # signal's number at once, so a thread reading it sees the signal even then.
+            read, self._wakeup = os.pipe()
+            os.set_blocking(self._wakeup, False)
+            self._previous_wakeup = signal.set_wakeup_fd(self._wakeup)
+            threading.Thread(target=self._watch, args=(read,), name="stop-signal", daemon=True).start()
         return self
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
+    def _watch(self, read: int) -> None:
+        """Exit with 128 + the signal's number, and one line saying where, when a signal finds the rank blocked."""
+        while data := os.read(read, 64):  # b"" once __exit__ closes the write end
+            signum = next((s for s in data if s in STOP_SIGNALS), None)
+            stack = _blocked_stack(BLOCKED_SECONDS) if signum else None
+            if stack:
+                name, where = signal.Signals(signum).name, waiting_in(stack)
+                print(
+                    f"gptforge train: error: rank {self.env.rank}: {name}, and {where} has not returned for "
+                    f"{BLOCKED_SECONDS:g}s (a peer rank stopped responding?): exiting without a checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                sys.stdout.flush()
+                os._exit(128 + signum)
+        os.close(read)
+
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(self._wakeup)
+
+
+def _blocked_stack(seconds: float) -> traceback.StackSummary | None:
+    """The main thread's stack if it stays `seconds` in one call (the same frame at the same instruction), else None."""
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main)  # the same object for as long as that frame runs
+    if frame is None:  # the interpreter is shutting down
+        return None
+    position = frame.f_lasti
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = sys._current_frames().get(main)
+        if now is not frame or now.f_lasti != position:
+            return None
+    return traceback.extract_stack(frame)
 
 
 class TimeBudget:

@@ -46,9 +46,13 @@ class TrainResult:
 
 def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainResult:
     """Train with `cfg` into RUN_DIR; under torchrun each process calls this."""
-    env, device_name = distributed.init(cfg.train.device)
+    env, device_name = distributed.init(cfg.train.device, cfg.train.dist_timeout)
     try:
-        with StopSignal() as stop, contextlib.ExitStack() as cleanup:
+        with (
+            distributed.peer_failures(env, cfg.train.dist_timeout),
+            StopSignal(env) as stop,
+            contextlib.ExitStack() as cleanup,
+        ):
             return _train(cfg, Path(run_dir), resume, env, resolve_device(device_name), stop, cleanup)
     finally:
         distributed.cleanup()
