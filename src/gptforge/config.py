@@ -236,6 +236,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.dtype": _one_of("auto", "float32", "bfloat16", "float16"),
     "train.batch_ramp_tokens": _at_least(0),
     "train.max_skips": _at_least(1),
+    "train.dist_timeout": _POSITIVE,
     "train.peak_flops": _at_least(0),
     "eval.every": _at_least(0),
     "eval.tokens": _at_least(1),
