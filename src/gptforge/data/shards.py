@@ -22,6 +22,9 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.uint16, 2: np.uint32}
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+"""Present while `gptforge prepare` fills a folder: the folder is unfinished until its manifest is written."""
+SPLITS = ("train", "val")
 
 
 def dtype_for_vocab(vocab_size: int) -> type:
@@ -104,19 +107,54 @@ def foreign_manifest(data_dir: Path) -> dict[str, Any] | None:
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """Load a prepared corpus's manifest, with a clear error when the folder is not one."""
-    path = Path(data_dir) / MANIFEST
+    """Load a prepared corpus's manifest, with a clear error when the folder is not one (or not yet one)."""
+    folder = Path(data_dir)
+    path = folder / MANIFEST
     if not path.is_file():
-        foreign = foreign_manifest(Path(data_dir)) if Path(data_dir).is_dir() else None
+        if (folder / PROGRESS).is_file():  # never read as llm.c shards: these are a prepare's first shards
+            raise GptforgeError(f"{data_dir}: unfinished prepare; run `gptforge prepare` again to finish it")
+        foreign = foreign_manifest(folder) if folder.is_dir() else None
         if foreign is not None:
             return foreign
         raise GptforgeError(
             f"{data_dir}: no {MANIFEST} (expected a folder written by `gptforge prepare`, or llm.c/.npy shards)"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise GptforgeError(f"{path}: malformed manifest (not UTF-8 text); run `gptforge prepare` again") from None
     except json.JSONDecodeError as e:
-        raise GptforgeError(f"{path}: malformed manifest ({e})") from None
-    if not isinstance(manifest.get("shards"), list) or "name" not in manifest.get("tokenizer", {}):
-        raise GptforgeError(f"{path}: malformed manifest (expected 'tokenizer.name' and a 'shards' list)")
+        raise GptforgeError(f"{path}: malformed manifest ({e}); run `gptforge prepare` again") from None
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise GptforgeError(f"{path}: malformed manifest ({problem}); run `gptforge prepare` again")
     return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """The first thing the readers need that `manifest` lacks, or None."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, expected an object"
+    tok = manifest.get("tokenizer")
+    if not isinstance(tok, dict) or not isinstance(tok.get("name"), str):
+        return "no 'tokenizer.name'"
+    if not isinstance(tok.get("vocab_size"), int) or tok["vocab_size"] <= 0:
+        return f"'tokenizer.vocab_size' is {tok.get('vocab_size')!r}, expected a positive integer"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        return "no 'shards' list"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict) or not isinstance(shard.get("file"), str):
+            return f"shards[{i}] has no 'file'"
+        if shard.get("split") not in SPLITS:
+            return f"shards[{i}].split is {shard.get('split')!r}, expected 'train' or 'val'"
+        if not isinstance(shard.get("sha256", ""), str):
+            return f"shards[{i}].sha256 is not a string"
+    splits = manifest.get("splits")
+    for split in sorted({s["split"] for s in shards}):
+        counts = splits.get(split) if isinstance(splits, dict) else None
+        if not (isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in ("tokens", "bytes"))):
+            return f"no 'splits.{split}' with 'tokens' and 'bytes'"
+    return None
