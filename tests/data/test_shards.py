@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from gptforge.data.shards import HEADER_BYTES, MAGIC, read_manifest, read_shard, write_shard
+from gptforge.data.shards import HEADER_BYTES, MAGIC, read_manifest, read_shard, verify_shard, write_shard
 from gptforge.errors import GptforgeError
 
 
@@ -82,3 +82,11 @@ def test_unfinished_prepare_is_never_read_as_llmc_shards(tmp_path):
     (tmp_path / "progress.json").write_text("{}")
     with pytest.raises(GptforgeError, match=r"unfinished prepare; run `gptforge prepare` again to finish it"):
         read_manifest(tmp_path)
+
+
+def test_a_shard_with_other_tokens_of_the_same_size_fails_its_checksum(tmp_path):
+    sha = write_shard(tmp_path / "s.bin", np.arange(100, dtype=np.uint16))
+    verify_shard(tmp_path / "s.bin", sha)
+    write_shard(tmp_path / "s.bin", np.arange(1, 101, dtype=np.uint16))
+    with pytest.raises(GptforgeError, match=r"s\.bin: checksum mismatch .*prepare the data again with --force"):
+        verify_shard(tmp_path / "s.bin", sha)

@@ -89,6 +89,31 @@ def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     write_json(data_dir / MANIFEST, manifest)
 
 
+_verified: set[tuple[str, int, int, int, str]] = set()
+"""Shards whose checksum this process has checked: (path, inode, size, mtime, sha256), so each is hashed once."""
+
+
+def verify_shard(path: Path, sha256: str) -> None:
+    """Refuse a shard whose bytes are not the ones `gptforge prepare` recorded (hashed once per process)."""
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, sha256)
+        if key in _verified:
+            return
+        digest, buf = hashlib.sha256(), bytearray(1 << 20)
+        with open(path, "rb") as f:
+            while n := f.readinto(buf):
+                digest.update(memoryview(buf)[:n])  # hashlib releases the GIL: the training threads run on
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    if digest.hexdigest() != sha256:
+        raise GptforgeError(
+            f"{path}: checksum mismatch (the file changed after `gptforge prepare` wrote it); "
+            "prepare the data again with --force"
+        )
+    _verified.add(key)
+
+
 def foreign_manifest(data_dir: Path) -> dict[str, Any] | None:
     """A manifest for a folder of llm.c `.bin` or build-nanogpt `.npy` GPT-2 shards ('val' in a name marks
     the validation split), or None if it has none. Without byte counts, bits per byte are unknown."""
