@@ -56,7 +56,7 @@ def test_bad_jsonl_line_is_named(tmp_path):
         prepare(str(tmp_path / "d.jsonl"), tmp_path / "out", workers=1)
 
 
-def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path):
+def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path, data_dir):
     from gptforge.checkpoint import load_checkpoint
     from gptforge.config import load_config
     from gptforge.model.generate import generate
@@ -78,6 +78,20 @@ def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path):
     assert ckpt_tok.encode("def add_all_1(values):") == tok.encode("def add_all_1(values):")
     new = generate(model, ckpt_tok.encode("def"), 5, temperature=0)[0]
     assert all(0 <= t < tok.vocab_size for t in new)
+
+    # Data made with another tokenizer is refused on resume and by eval, naming both tokenizers.
+    from gptforge.eval.suite import evaluate_checkpoint
+
+    other = (
+        r"made with tokenizer gpt2 \(50,257 tokens\), but checkpoint .* uses tokenizer\.json \(\d+ tokens\); prepare"
+    )
+    with pytest.raises(GptforgeError, match=other):
+        train(load_config("tiny", [f"data.path={data_dir}"]), tmp_path / "run", resume="auto")
+    with pytest.raises(GptforgeError, match=other):
+        evaluate_checkpoint(str(result.checkpoint), data=str(data_dir))
+    (tmp_path / "tiny.py").write_text("x = 1\n")
+    with pytest.raises(GptforgeError, match=rf"^--text {tmp_path / 'tiny.py'}: \d+ tokens, too few for one batch"):
+        evaluate_checkpoint(str(result.checkpoint), text=str(tmp_path / "tiny.py"))
 
 
 def test_shards_end_at_document_boundaries(data_dir):

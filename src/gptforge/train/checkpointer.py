@@ -10,7 +10,7 @@ from gptforge.data.prefetch import Prefetcher
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.hub.publish import export_and_push
 from gptforge.runtime.distributed import DistEnv, print0
-from gptforge.train.setup import TrainSetup
+from gptforge.train.setup import TrainSetup, check_resume_tokenizer
 from gptforge.train.state import TrainState
 
 
@@ -44,6 +44,7 @@ class Checkpointer:
         """Continue from `resume` ('auto': this run's newest checkpoint, else a path) into the fresh setup."""
         s = self.setup
         ckpt = resolve_checkpoint(self.run_dir if resume == "auto" else resume)
+        check_resume_tokenizer(ckpt, self.tokenizer, self.cfg.data.path)
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
         loader.load_state_dict(meta["loader"])
         state.load_state_dict(meta)
