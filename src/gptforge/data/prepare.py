@@ -253,6 +253,7 @@ def prepare(
 def _check_flags(
     tokenizer: str, val_fraction: float, shard_tokens: int, workers: int | None, train_tokenizer: int | None
 ) -> None:
+    """Refuse values that would fail late or silently (--train-tokenizer 0 used to mean GPT-2)."""
     if shard_tokens <= 0:
         raise GptforgeError(f"--shard-tokens must be positive, got {shard_tokens}")
     if not 0 <= val_fraction < 1:
