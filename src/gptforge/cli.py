@@ -37,6 +37,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         train_tokenizer=args.train_tokenizer,
         decontaminate=args.decontaminate,
         seed=args.seed,
+        force=args.force,
     )
     print(summarize(manifest, args.out))
 
@@ -205,6 +206,7 @@ def _add_data_commands(sub) -> None:
         help="drop training documents sharing a 13-gram with these files (e.g. HellaSwag .jsonl)",
     )
     s.add_argument("--seed", type=int, default=0, help="salt for the validation split's hash (default 0)")
+    s.add_argument("--force", action="store_true", help="replace what --out holds (once the new data is complete)")
     s.set_defaults(func=cmd_prepare)
 
     s = sub.add_parser("train", help="train a GPT on prepared shards")

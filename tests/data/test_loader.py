@@ -12,8 +12,8 @@ def make_data(tmp_path, shard_sizes, vocab=60000):
     """Shards whose tokens are their global positions, so a window tells where it came from."""
     shards, start = [], 0
     for i, n in enumerate(shard_sizes):
-        write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(start, start + n, dtype=np.uint32) % vocab)
-        shards.append({"file": f"train_{i:06d}.bin", "split": "train", "tokens": n})
+        sha = write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(start, start + n, dtype=np.uint32) % vocab)
+        shards.append({"file": f"train_{i:06d}.bin", "split": "train", "tokens": n, "sha256": sha})
         start += n
     write_manifest(
         tmp_path,
@@ -112,3 +112,23 @@ def test_build_nanogpt_npy_folder_without_manifest(tmp_path):
     np.save(tmp_path / "edufineweb_train_000002.npy", np.zeros((2, 2), dtype=np.uint16))
     with pytest.raises(GptforgeError, match=r"000002\.npy: expected a 1-D uint16/uint32 token array"):
         TokenLoader(tmp_path, "train", 2, 10)
+
+
+def test_a_changed_shard_is_refused_without_holding_up_batches(tmp_path, monkeypatch):
+    import threading
+
+    import gptforge.data.loader as loader_module
+
+    make_data(tmp_path, [64, 64])
+    TokenLoader(tmp_path, "train", 2, 8).verify()
+    write_shard(tmp_path / "train_000001.bin", np.arange(1, 65, dtype=np.uint32))  # other tokens, same size
+    gate, real = threading.Event(), loader_module.verify_shard
+    monkeypatch.setattr(loader_module, "verify_shard", lambda path, sha: gate.wait(10) and real(path, sha))
+    loader = TokenLoader(tmp_path, "train", 2, 8, seed=1)
+    loader.next_batch()  # served while the checksums are still being computed
+    assert not gate.is_set()
+    gate.set()
+    with pytest.raises(GptforgeError, match=r"train_000001\.bin: checksum mismatch .*prepare the data again"):
+        loader.verify()
+    with pytest.raises(GptforgeError, match="checksum mismatch"):
+        loader.next_batch()

@@ -56,7 +56,7 @@ def test_bad_jsonl_line_is_named(tmp_path):
         prepare(str(tmp_path / "d.jsonl"), tmp_path / "out", workers=1)
 
 
-def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path):
+def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path, data_dir):
     from gptforge.checkpoint import load_checkpoint
     from gptforge.config import load_config
     from gptforge.model.generate import generate
@@ -78,6 +78,20 @@ def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path):
     assert ckpt_tok.encode("def add_all_1(values):") == tok.encode("def add_all_1(values):")
     new = generate(model, ckpt_tok.encode("def"), 5, temperature=0)[0]
     assert all(0 <= t < tok.vocab_size for t in new)
+
+    # Data made with another tokenizer is refused on resume and by eval, naming both tokenizers.
+    from gptforge.eval.suite import evaluate_checkpoint
+
+    other = (
+        r"made with tokenizer gpt2 \(50,257 tokens\), but checkpoint .* uses tokenizer\.json \(\d+ tokens\); prepare"
+    )
+    with pytest.raises(GptforgeError, match=other):
+        train(load_config("tiny", [f"data.path={data_dir}"]), tmp_path / "run", resume="auto")
+    with pytest.raises(GptforgeError, match=other):
+        evaluate_checkpoint(str(result.checkpoint), data=str(data_dir))
+    (tmp_path / "tiny.py").write_text("x = 1\n")
+    with pytest.raises(GptforgeError, match=rf"^--text {tmp_path / 'tiny.py'}: \d+ tokens, too few for one batch"):
+        evaluate_checkpoint(str(result.checkpoint), text=str(tmp_path / "tiny.py"))
 
 
 def test_shards_end_at_document_boundaries(data_dir):
@@ -142,3 +156,191 @@ def test_decontamination_drops_overlapping_training_documents(corpus_dir, tmp_pa
 
     assert victim in train_text(clean, tmp_path / "clean")
     assert victim not in train_text(dec, tmp_path / "dec")
+
+
+def _tiny(root, n=3):
+    """A few small documents: quick to prepare in one process."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"doc{i}.txt").write_text(f"document {i} " * 20)
+    return root
+
+
+def test_out_holding_other_files_is_refused_unless_forced(tmp_path):
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(GptforgeError, match=r"--out .*out: exists and is not empty; .*--force"):
+        prepare(str(src), out, val_fraction=0, workers=1)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    prepare(str(src), out, val_fraction=0, workers=1, force=True)
+    assert not (out / "notes.txt").exists() and read_manifest(out)["splits"]["train"]["docs"] == 3
+    assert not list(tmp_path.glob(".out.*")), "the temp folder was swapped in"
+
+
+@pytest.mark.parametrize("out", ["src", ".", "src/.."])
+def test_never_writes_into_the_folder_it_reads(tmp_path, monkeypatch, out):
+    monkeypatch.chdir(tmp_path)
+    _tiny(tmp_path / "src")
+    with pytest.raises(GptforgeError, match=r"--out .*: (is|contains) src, which this command reads"):
+        prepare("src", out, workers=1, force=True)
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["doc0.txt", "doc1.txt", "doc2.txt"]
+
+
+def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, monkeypatch, capsys):
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
+    old = prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)
+    with pytest.raises(
+        GptforgeError, match=r"out: holds data prepared with other settings \(--val-fraction was 0, now 0.5\)"
+    ):
+        prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1)
+    with pytest.raises(GptforgeError, match=r"\(--shard-tokens was 50, now 60\)"):
+        prepare(str(src), out, val_fraction=0, shard_tokens=60, workers=1)
+
+    real = prep.documents
+
+    def crashing(source, field):
+        for i, doc in enumerate(real(source, field)):
+            if i == 8:
+                raise RuntimeError("killed")  # midway through the replacement
+            yield doc
+
+    monkeypatch.setattr(prep, "documents", crashing)
+    monkeypatch.setattr(prep, "BATCH_DOCS", 1)
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1, force=True)
+    assert read_manifest(out) == old  # the old data is whole, and still what train reads
+    assert all(read_shard(out / s["file"]).size == s["tokens"] for s in old["shards"])
+
+    monkeypatch.setattr(prep, "documents", real)
+    capsys.readouterr()
+    new = prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1, force=True)
+    assert "resuming" in capsys.readouterr().out  # the killed replacement picks up where it stopped
+    assert read_manifest(out) == new and new["splits"]["val"]["docs"] > 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["manifest.json", *(s["file"] for s in new["shards"])])
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_force_with_the_same_settings_rebuilds(tmp_path, capsys):
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    first = prepare(str(src), out, val_fraction=0, workers=1)
+    (out / first["shards"][0]["file"]).write_bytes(b"damaged")
+    assert prepare(str(src), out, val_fraction=0, workers=1, force=True) == first
+    assert "already prepared" not in capsys.readouterr().out
+    assert read_shard(out / first["shards"][0]["file"]).size == first["shards"][0]["tokens"]
+
+
+def test_a_second_prepare_into_the_same_folder_is_refused_naming_the_pid(tmp_path):
+    import os
+
+    from gptforge.files import locked
+
+    held = rf"out: in use by another gptforge prepare \(pid {os.getpid()}\)"
+    with locked(tmp_path / "out", "prepare"), pytest.raises(GptforgeError, match=held):  # as a running prepare
+        prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", workers=1)
+
+
+def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
+    import gptforge.data.prepare as prep
+
+    def crash(*args):
+        raise KeyboardInterrupt  # killed before the first shard
+
+    monkeypatch.setattr(prep, "_tokenize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", workers=1)
+    with pytest.raises(GptforgeError, match=r"out: unfinished prepare; run `gptforge prepare` again to finish it"):
+        read_manifest(tmp_path / "out")
+    monkeypatch.undo()
+    # Nothing was written yet, so other settings just start over, without --force.
+    assert prepare(str(tmp_path / "src"), tmp_path / "out", val_fraction=0, workers=1)["splits"]["val"]["docs"] == 0
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"train_tokenizer": 0}, "--train-tokenizer 0: expected a vocabulary size of at least 257"),
+        ({"train_tokenizer": -5}, "--train-tokenizer -5: expected"),
+        ({"train_tokenizer": 256}, "--train-tokenizer 256: expected"),
+        ({"train_tokenizer": 300, "tokenizer": "t.json"}, "--tokenizer t.json and --train-tokenizer 300: pass one"),
+        ({"val_fraction": 1.0}, r"--val-fraction must be in \[0, 1\), got 1.0"),
+        ({"val_fraction": -0.1}, r"--val-fraction must be in \[0, 1\), got -0.1"),
+        ({"shard_tokens": 0}, "--shard-tokens must be positive, got 0"),
+        ({"workers": 0}, "--workers must be positive, got 0"),
+        ({"workers": -2}, "--workers must be positive, got -2"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
+    with pytest.raises(GptforgeError, match=message):
+        prepare(str(tmp_path), tmp_path / "out", **flags)
+    assert not (tmp_path / "out").exists()
+
+
+def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
+    clean = prepare(str(src), tmp_path / "clean", val_fraction=0, shard_tokens=50, workers=1)
+    real, calls = prep.write_shard, []
+
+    def full_disk(path, tokens):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, tokens)
+
+    monkeypatch.setattr(prep, "write_shard", full_disk)
+    monkeypatch.setattr(prep, "BATCH_DOCS", 1)
+    with pytest.raises(GptforgeError, match=rf"^cannot write {out}: No space left on device; fix that and run"):
+        prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)
+    progress = json.loads((out / "progress.json").read_text())
+    assert [s["file"] for s in progress["shards"]] == ["train_000000.bin", "train_000001.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "progress.json", "train_000000.bin", "train_000001.bin"]
+
+    monkeypatch.setattr(prep, "write_shard", real)
+    capsys.readouterr()
+    assert prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)["shards"] == clean["shards"]
+    assert "resuming: 2 shard(s)" in capsys.readouterr().out
+
+
+WAIT = "wait for it to end or stop it\n"
+
+
+def test_cli_refusals_are_one_line(tmp_path):
+    import os
+    import subprocess
+
+    from tests.helpers import cli
+
+    from gptforge.files import locked
+
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+
+    def run(*args):
+        proc = subprocess.run(
+            cli("prepare", src, "--out", out, "--workers", "1", "--val-fraction", "0", *args),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return proc.returncode, proc.stderr
+
+    assert run()[0] == 0
+    code, err = run("--train-tokenizer", "0")
+    assert (
+        code == 1
+        and err == "gptforge prepare: error: --train-tokenizer 0: expected a vocabulary size of at least 257\n"
+    )
+    code, err = run("--seed", "3")
+    assert code == 1 and err.count("\n") == 1 and "(--seed was 0, now 3); pass --force" in err
+    with locked(out, "prepare"):
+        code, err = run("--seed", "3", "--force")
+    assert (
+        code == 1
+        and err == f"gptforge prepare: error: {out}: in use by another gptforge prepare (pid {os.getpid()}); {WAIT}"
+    )
+    assert run("--seed", "3", "--force")[0] == 0 and read_manifest(out)["seed"] == 3

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from gptforge.data.shards import HEADER_BYTES, MAGIC, read_manifest, read_shard, write_shard
+from gptforge.data.shards import HEADER_BYTES, MAGIC, read_manifest, read_shard, verify_shard, write_shard
 from gptforge.errors import GptforgeError
 
 
@@ -39,9 +39,54 @@ def test_token_id_beyond_vocab(tmp_path):
         read_shard(tmp_path / "s.bin", vocab_size=100)
 
 
-def test_missing_and_malformed_manifest(tmp_path):
+def test_missing_manifest(tmp_path):
     with pytest.raises(GptforgeError, match="no manifest.json"):
         read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(json.dumps({"shards": []}))
-    with pytest.raises(GptforgeError, match="malformed manifest"):
+
+
+GOOD = {
+    "tokenizer": {"name": "gpt2", "vocab_size": 50257, "eot": 50256},
+    "shards": [{"file": "train_000000.bin", "split": "train", "tokens": 3}],
+    "splits": {"train": {"docs": 1, "tokens": 3, "bytes": 9}},
+}
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (b"[]", "a JSON list, expected an object"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "not UTF-8 text"),
+        ("{'tokenizer': 'ß'}".encode("latin-1"), "not UTF-8 text"),
+        (b"\x00\x01\x02", "Expecting value"),
+        (json.dumps({"shards": []}).encode(), "no 'tokenizer.name'"),
+        (json.dumps({**GOOD, "tokenizer": {"name": "gpt2"}}).encode(), "'tokenizer.vocab_size' is None"),
+        (json.dumps({k: v for k, v in GOOD.items() if k != "shards"}).encode(), "no 'shards' list"),
+        (json.dumps({**GOOD, "shards": [{"split": "train"}]}).encode(), r"shards\[0\] has no 'file'"),
+        (json.dumps({**GOOD, "shards": [{"file": "a.bin", "split": "test"}]}).encode(), r"shards\[0\].split is 'test'"),
+        (json.dumps({**GOOD, "splits": {}}).encode(), "no 'splits.train' with 'tokens' and 'bytes'"),
+    ],
+)
+def test_malformed_manifest_names_the_problem(tmp_path, content, problem):
+    (tmp_path / "manifest.json").write_bytes(content)
+    with pytest.raises(
+        GptforgeError, match=rf"manifest\.json: malformed manifest \(.*{problem}.*\); run `gptforge prepare` again"
+    ):
         read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(GOOD))
+    assert read_manifest(tmp_path) == GOOD
+
+
+def test_unfinished_prepare_is_never_read_as_llmc_shards(tmp_path):
+    write_shard(tmp_path / "train_000000.bin", np.arange(100, dtype=np.uint16))
+    assert read_manifest(tmp_path)["format"] == "foreign"  # a folder of llm.c shards is read as one
+    (tmp_path / "progress.json").write_text("{}")
+    with pytest.raises(GptforgeError, match=r"unfinished prepare; run `gptforge prepare` again to finish it"):
+        read_manifest(tmp_path)
+
+
+def test_a_shard_with_other_tokens_of_the_same_size_fails_its_checksum(tmp_path):
+    sha = write_shard(tmp_path / "s.bin", np.arange(100, dtype=np.uint16))
+    verify_shard(tmp_path / "s.bin", sha)
+    write_shard(tmp_path / "s.bin", np.arange(1, 101, dtype=np.uint16))
+    with pytest.raises(GptforgeError, match=r"s\.bin: checksum mismatch .*prepare the data again with --force"):
+        verify_shard(tmp_path / "s.bin", sha)

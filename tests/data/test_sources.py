@@ -77,3 +77,17 @@ def test_missing_sources(tmp_path):
         documents(str(tmp_path / "nope"), "text")
     with pytest.raises(GptforgeError, match="no files match"):
         documents(str(tmp_path / "*.jsonl"), "text")
+
+
+def test_symlink_loops_and_aliases_are_read_once(tmp_path):
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "a.txt").write_text("a")
+    (tmp_path / "c" / "sub" / "b.txt").write_text("b")
+    (tmp_path / "c" / "sub" / "loop").symlink_to("..")  # glob.glob('**') would follow this 40 levels deep
+    (tmp_path / "c" / "z.txt").symlink_to("a.txt")
+    (tmp_path / "c" / ".hidden.txt").write_text("h")
+    folder = [t for _, t in documents(str(tmp_path / "c"), "text")]
+    glob = list(documents(str(tmp_path / "c" / "**" / "*.txt"), "text"))
+    assert sorted(folder) == ["a", "b", "h"]
+    assert glob == [(f"{tmp_path.as_posix()}/c/a.txt", "a"), (f"{tmp_path.as_posix()}/c/sub/b.txt", "b")]
+    assert [t for _, t in documents(str(tmp_path / "c" / ".*.txt"), "text")] == ["h"]

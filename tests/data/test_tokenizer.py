@@ -1,6 +1,6 @@
 import pytest
 
-from gptforge.data.tokenizer import load_tokenizer, train_bpe
+from gptforge.data.tokenizer import check_data_tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 
 
@@ -39,3 +39,23 @@ def test_unknown_or_bad_tokenizer(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(GptforgeError, match=r"bad\.json: not a tokenizer file"):
         load_tokenizer("bad.json", tmp_path)
+
+
+def test_data_made_with_another_tokenizer_is_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    words = [f"word{i} thing{i * 7} " for i in range(200)]
+    a = train_bpe(words, 300, tmp_path / "a" / "tokenizer.json")
+    b = train_bpe(list(reversed([w.upper() for w in words])), 300, tmp_path / "b" / "tokenizer.json")
+    assert a.vocab_size == b.vocab_size == 300 and a.encode("word1") != b.encode("word1")
+    check_data_tokenizer(a, "data", load_tokenizer("tokenizer.json", tmp_path / "a"), "checkpoint c")
+    with pytest.raises(
+        GptforgeError,
+        match=r"^data: made with tokenizer tokenizer.json \(300 tokens\), but checkpoint c "
+        r"uses another tokenizer.json \(300 tokens\); prepare the data with --tokenizer .*b/tokenizer.json$",
+    ):
+        check_data_tokenizer(a, "data", b, "checkpoint c")
+    with pytest.raises(
+        GptforgeError, match=r"made with tokenizer gpt2 \(50,257 tokens\), but checkpoint c uses tokenizer"
+    ):
+        check_data_tokenizer(load_tokenizer("gpt2"), "data", b, "checkpoint c")

@@ -1,12 +1,15 @@
 """`gptforge prepare`: tokenize a corpus in worker processes into EOT-delimited shards plus a manifest.
 
 Shards end at document boundaries (a document longer than a shard gets one of its own), so a shard holds
-whole documents and records the last one's index. After each shard, `progress.json` saves what is done;
-a crashed run started again with the same settings skips finished shards and the documents in them.
+whole documents and records the last one's index. `progress.json` marks the folder unfinished from the start
+and saves what is done after each shard; a crashed run started again with the same settings skips finished
+shards and the documents in them. Other settings replace a folder only with --force, built beside it and
+swapped in once complete.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -20,15 +23,34 @@ import numpy as np
 from tqdm import tqdm
 
 from gptforge.data.decontaminate import eval_ngrams, is_contaminated
-from gptforge.data.shards import MANIFEST, dtype_for_vocab, write_manifest, write_shard
-from gptforge.data.sources import Document, documents, resolve, source_bytes
+from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, dtype_for_vocab, write_manifest, write_shard
+from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write
+from gptforge.files import (
+    atomic_write,
+    check_output_dir,
+    is_empty_dir,
+    locked,
+    swap_dir,
+    temp_dir_for,
+    temp_dir_path,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
-PROGRESS = "progress.json"
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20  # documents per worker task, at most (a crash loses at most one batch)
+# The flag behind each setting, to say which one differs from a folder's.
+SETTING_FLAGS = {
+    "source": "SOURCE",
+    "text_field": "--text-field",
+    "tokenizer": "--tokenizer/--train-tokenizer",
+    "val_fraction": "--val-fraction",
+    "shard_tokens": "--shard-tokens",
+    "seed": "--seed",
+    "decontaminate": "--decontaminate",
+}
+# Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
 _worker: dict[str, Any] = {}
 
 
@@ -146,15 +168,17 @@ def _nonempty(docs: Iterator[Document]) -> Iterator[Document]:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None for a missing, unreadable or malformed file."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return None
+    return value if isinstance(value, dict) else None
 
 
 def _tokenizer_for(out: Path, settings: dict[str, Any], train_vocab: int | None, resuming: bool) -> Tokenizer:
     """GPT-2, a given tokenizer file, or a BPE trained on the training split; file-based ones go to OUT."""
-    if train_vocab:
+    if train_vocab is not None:
         if resuming and (out / TOKENIZER_FILE).is_file():
             return load_tokenizer(TOKENIZER_FILE, out)
         docs = _nonempty(documents(settings["source"], settings["text_field"]))
@@ -183,45 +207,123 @@ def prepare(
     train_tokenizer: int | None = None,
     decontaminate: list[str] = (),
     seed: int = 0,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Tokenize `source` into `out_dir`; returns the manifest (also written, last, as manifest.json).
 
     `tokenizer` is 'gpt2' or a tokenizer .json file; `train_tokenizer=N` trains an N-token BPE instead.
-    `decontaminate` lists evaluation files whose 13-grams disqualify training documents.
+    `decontaminate` lists evaluation files whose 13-grams disqualify training documents. `force` lets the
+    result replace a folder holding anything else.
     """
+    _check_flags(tokenizer, val_fraction, shard_tokens, workers, train_tokenizer)
     source, text_field = resolve(source, text_field)
-    if shard_tokens <= 0:
-        raise GptforgeError(f"--shard-tokens must be positive, got {shard_tokens}")
-    if not 0 <= val_fraction < 1:
-        raise GptforgeError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     docs = documents(source, text_field)  # a missing source fails here, before any work
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # Never the folder read from; a folder of other files is refused before the lock file goes into it.
+    holds_data = (out / MANIFEST).is_file() or (out / PROGRESS).is_file()
+    check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate])
     settings = {
         "source": source,
         "text_field": text_field,
         "val_fraction": val_fraction,
         "shard_tokens": shard_tokens,
         "seed": seed,
-        "tokenizer": f"trained:{train_tokenizer}" if train_tokenizer else tokenizer,
+        "tokenizer": f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
         "decontaminate": sorted(str(p) for p in decontaminate),
     }
-    done = _read_json(out / MANIFEST)
-    if done is not None and done.get("settings") == settings:
-        print(f"{out}: already prepared with these settings", flush=True)
-        return done
+    try:
+        with locked(out, "prepare"):
+            folder = _destination(out, settings, force)
+            if folder is None:
+                print(f"{out}: already prepared with these settings", flush=True)
+                (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
+                return _read_json(out / MANIFEST)
+            manifest = _build(docs, folder, settings, train_tokenizer, decontaminate, workers)
+            if folder != out:
+                swap_dir(folder, out.resolve())
+            return manifest
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        raise GptforgeError(
+            f"cannot write {out}: {e.strerror}; fix that and run the same command again (it resumes)"
+        ) from None
+
+
+def _check_flags(
+    tokenizer: str, val_fraction: float, shard_tokens: int, workers: int | None, train_tokenizer: int | None
+) -> None:
+    """Refuse values that would fail late or silently (--train-tokenizer 0 used to mean GPT-2)."""
+    if shard_tokens <= 0:
+        raise GptforgeError(f"--shard-tokens must be positive, got {shard_tokens}")
+    if not 0 <= val_fraction < 1:
+        raise GptforgeError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if workers is not None and workers <= 0:
+        raise GptforgeError(f"--workers must be positive, got {workers}")
+    if train_tokenizer is not None and not 257 <= train_tokenizer <= 2**32:
+        raise GptforgeError(f"--train-tokenizer {train_tokenizer}: expected a vocabulary size of at least 257")
+    if train_tokenizer is not None and tokenizer != "gpt2":
+        raise GptforgeError(f"--tokenizer {tokenizer} and --train-tokenizer {train_tokenizer}: pass one of them")
+
+
+def _destination(out: Path, settings: dict[str, Any], force: bool) -> Path | None:
+    """Where to build: `out` itself (empty, or an unfinished prepare to resume), a folder beside it that
+    replaces it once complete (--force), or None when `out` already holds this data."""
+    done, progress = _read_json(out / MANIFEST), _read_json(out / PROGRESS)
+    if done is not None and done.get("settings") == settings and not force:
+        return None
+    if done is None and progress is not None and (progress.get("settings") == settings or not progress.get("shards")):
+        return out  # resume; or start over, as nothing was written yet
+    if is_empty_dir(out):
+        return out
+    prior = done or progress
+    if prior is None:
+        check_output_dir(out, force)  # a folder that is not gptforge data: replaced only with --force
+    elif not force:
+        what = "data prepared" if done else "an unfinished prepare"
+        raise GptforgeError(
+            f"{out}: holds {what} with other settings ({_difference(prior.get('settings', {}), settings)}); "
+            "pass --force to replace it (the old data stays until the new is complete), or pick another --out"
+        )
+    final = out.resolve()  # a temp folder beside '.' needs its real name
+    unfinished = _read_json(temp_dir_path(final) / PROGRESS)
+    if unfinished is not None and unfinished.get("settings") == settings:
+        return temp_dir_path(final)  # a killed --force run resumes
+    return temp_dir_for(final)
+
+
+def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The first setting that differs, as 'FLAG was OLD, now NEW'."""
+    for key, flag in SETTING_FLAGS.items():
+        if old.get(key) != new[key]:
+            return f"{flag} was {old.get(key)!r}, now {new[key]!r}"
+    return f"settings were {old!r}"
+
+
+def _build(
+    docs: Iterator[Document],
+    out: Path,
+    settings: dict[str, Any],
+    train_tokenizer: int | None,
+    decontaminate: list[str],
+    workers: int | None,
+) -> dict[str, Any]:
+    """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
     progress = _read_json(out / PROGRESS)
     resuming = progress is not None and progress.get("settings") == settings
+    if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
+        atomic_write(out / PROGRESS, json.dumps({"settings": settings, "dropped_before_last_shard": 0, "shards": []}))
     tok = _tokenizer_for(out, settings, train_tokenizer, resuming)
     ngrams = eval_ngrams(decontaminate) if decontaminate else frozenset()
-    writers = {s: ShardWriter(out, s, shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in ("train", "val")}
+    writers = {s: ShardWriter(out, s, settings["shard_tokens"], dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
     dropped = 0
-    if resuming:
+    if resuming and progress.get("shards"):
         for split, w in writers.items():
             w.restore([s for s in progress["shards"] if s["split"] == split])
         dropped = progress["dropped_before_last_shard"]
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
     dropped = _tokenize(docs, tok, ngrams, writers, settings, out, workers, dropped)
+    source = settings["source"]
     if writers["train"].docs == 0:
         if writers["val"].docs == 0:
             raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
@@ -239,8 +341,8 @@ def prepare(
         "format": "gptforge-shards/1",
         "source": source,
         "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot},
-        "val_fraction": val_fraction,
-        "seed": seed,
+        "val_fraction": settings["val_fraction"],
+        "seed": settings["seed"],
         "settings": settings,
         "splits": {s: {"docs": w.docs, "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()},
         "decontamination": {"files": settings["decontaminate"], "dropped_docs": dropped},

@@ -22,6 +22,9 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.uint16, 2: np.uint32}
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+"""Present while `gptforge prepare` fills a folder: the folder is unfinished until its manifest is written."""
+SPLITS = ("train", "val")
 
 
 def dtype_for_vocab(vocab_size: int) -> type:
@@ -86,6 +89,31 @@ def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     write_json(data_dir / MANIFEST, manifest)
 
 
+_verified: set[tuple[str, int, int, int, str]] = set()
+"""Shards whose checksum this process has checked: (path, inode, size, mtime, sha256), so each is hashed once."""
+
+
+def verify_shard(path: Path, sha256: str) -> None:
+    """Refuse a shard whose bytes are not the ones `gptforge prepare` recorded (hashed once per process)."""
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, sha256)
+        if key in _verified:
+            return
+        digest, buf = hashlib.sha256(), bytearray(1 << 20)
+        with open(path, "rb") as f:
+            while n := f.readinto(buf):
+                digest.update(memoryview(buf)[:n])  # hashlib releases the GIL: the training threads run on
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read shard ({e.strerror or e})") from None
+    if digest.hexdigest() != sha256:
+        raise GptforgeError(
+            f"{path}: checksum mismatch (the file changed after `gptforge prepare` wrote it); "
+            "prepare the data again with --force"
+        )
+    _verified.add(key)
+
+
 def foreign_manifest(data_dir: Path) -> dict[str, Any] | None:
     """A manifest for a folder of llm.c `.bin` or build-nanogpt `.npy` GPT-2 shards ('val' in a name marks
     the validation split), or None if it has none. Without byte counts, bits per byte are unknown."""
@@ -104,19 +132,54 @@ def foreign_manifest(data_dir: Path) -> dict[str, Any] | None:
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """Load a prepared corpus's manifest, with a clear error when the folder is not one."""
-    path = Path(data_dir) / MANIFEST
+    """Load a prepared corpus's manifest, with a clear error when the folder is not one (or not yet one)."""
+    folder = Path(data_dir)
+    path = folder / MANIFEST
     if not path.is_file():
-        foreign = foreign_manifest(Path(data_dir)) if Path(data_dir).is_dir() else None
+        if (folder / PROGRESS).is_file():  # never read as llm.c shards: these are a prepare's first shards
+            raise GptforgeError(f"{data_dir}: unfinished prepare; run `gptforge prepare` again to finish it")
+        foreign = foreign_manifest(folder) if folder.is_dir() else None
         if foreign is not None:
             return foreign
         raise GptforgeError(
             f"{data_dir}: no {MANIFEST} (expected a folder written by `gptforge prepare`, or llm.c/.npy shards)"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise GptforgeError(f"{path}: malformed manifest (not UTF-8 text); run `gptforge prepare` again") from None
     except json.JSONDecodeError as e:
-        raise GptforgeError(f"{path}: malformed manifest ({e})") from None
-    if not isinstance(manifest.get("shards"), list) or "name" not in manifest.get("tokenizer", {}):
-        raise GptforgeError(f"{path}: malformed manifest (expected 'tokenizer.name' and a 'shards' list)")
+        raise GptforgeError(f"{path}: malformed manifest ({e}); run `gptforge prepare` again") from None
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise GptforgeError(f"{path}: malformed manifest ({problem}); run `gptforge prepare` again")
     return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """The first thing the readers need that `manifest` lacks, or None."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, expected an object"
+    tok = manifest.get("tokenizer")
+    if not isinstance(tok, dict) or not isinstance(tok.get("name"), str):
+        return "no 'tokenizer.name'"
+    if not isinstance(tok.get("vocab_size"), int) or tok["vocab_size"] <= 0:
+        return f"'tokenizer.vocab_size' is {tok.get('vocab_size')!r}, expected a positive integer"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        return "no 'shards' list"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict) or not isinstance(shard.get("file"), str):
+            return f"shards[{i}] has no 'file'"
+        if shard.get("split") not in SPLITS:
+            return f"shards[{i}].split is {shard.get('split')!r}, expected 'train' or 'val'"
+        if not isinstance(shard.get("sha256", ""), str):
+            return f"shards[{i}].sha256 is not a string"
+    splits = manifest.get("splits")
+    for split in sorted({s["split"] for s in shards}):
+        counts = splits.get(split) if isinstance(splits, dict) else None
+        if not (isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in ("tokens", "bytes"))):
+            return f"no 'splits.{split}' with 'tokens' and 'bytes'"
+    return None

@@ -70,21 +70,56 @@ def stdlib_documents() -> Iterator[Document]:
         yield f"stdlib/{rel.as_posix()}", text
 
 
+def _glob_root(pattern: str) -> tuple[str, str]:
+    """A glob split into its literal leading folder and the rest: 'data/*/x.txt' -> ('data', '*/x.txt')."""
+    parts = pattern.split("/")
+    literal = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    return "/".join(parts[:literal]) or ("/" if pattern.startswith("/") else ""), "/".join(parts[literal:])
+
+
+def local_paths(source: str) -> list[Path]:
+    """The files or folders on this machine that a SOURCE reads (a glob: its literal leading folder)."""
+    if source == "stdlib":
+        return []
+    if source.startswith("hf:"):
+        local = Path(source[3:].partition(":")[0])  # hf: also takes a local dataset folder
+        return [local] if local.exists() else []
+    return [Path(_glob_root(source)[0] or ".")] if glob.has_magic(source) else [Path(source)]
+
+
 def _files(source: str) -> list[tuple[Path, str]]:
-    """(path, stable name) of the files a path, folder or glob names, sorted."""
-    if glob.has_magic(source):
-        paths = sorted(Path(p) for p in glob.glob(source, recursive=True))
-        files = [(p, p.as_posix()) for p in paths if p.is_file() and format_suffix(p) in KINDS]
-        if not files:
-            raise GptforgeError(f"{source}: no files match (expected {', '.join(sorted(KINDS))}, optionally .gz)")
-        return files
+    """(path, stable name) of the files a path, folder or glob names, sorted; a file reached twice (through
+    symlinks) is read once. Neither form descends into symlinked folders, so a symlink loop ends."""
     root = Path(source)
-    if root.is_file():
-        return [(root, root.name)]
-    if root.is_dir():
-        paths = sorted(p for p in root.rglob("*") if p.is_file() and format_suffix(p) in KINDS)
-        return [(p, p.relative_to(root).as_posix()) for p in paths]
-    raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
+    if glob.has_magic(source):
+        named = [(p, p.as_posix()) for p in _glob(source)]
+    elif root.is_file():
+        named = [(root, root.name)]
+    elif root.is_dir():
+        named = [(p, p.relative_to(root).as_posix()) for p in root.rglob("*")]
+    else:
+        raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
+    files, seen = [], set()
+    for path, name in sorted(named):
+        if path.is_file() and format_suffix(path) in KINDS and path.resolve() not in seen:
+            seen.add(path.resolve())
+            files.append((path, name))
+    if not files and glob.has_magic(source):
+        raise GptforgeError(f"{source}: no files match (expected {', '.join(sorted(KINDS))}, optionally .gz)")
+    return files
+
+
+def _glob(pattern: str) -> list[Path]:
+    """Paths matching `pattern`, by pathlib: its `**` stays out of symlinked folders, where glob.glob follows
+    a symlink loop until the OS stops it. Hidden names match only a pattern part starting with '.', as in glob."""
+    prefix, rest = _glob_root(pattern)
+    base = Path(prefix or ".")
+    hidden_ok = any(part.startswith(".") for part in rest.split("/"))
+    try:
+        matches = list(base.glob(rest))
+    except ValueError as e:  # pathlib refuses some patterns glob.glob takes, like 'a**'
+        raise GptforgeError(f"{pattern}: not a supported glob ({e})") from None
+    return [p for p in matches if hidden_ok or not any(x.startswith(".") for x in p.relative_to(base).parts)]
 
 
 def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:

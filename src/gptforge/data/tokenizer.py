@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 
+from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write
 
@@ -117,6 +118,23 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     if (a.path is None) != (b.path is None) or a.name != b.name or a.vocab_size != b.vocab_size:
         return False
     return a.path is None or a.path.read_bytes() == b.path.read_bytes()
+
+
+def data_tokenizer(data_dir: str | Path) -> Tokenizer:
+    """The tokenizer a prepared folder was made with."""
+    return load_tokenizer(read_manifest(data_dir)["tokenizer"]["name"], data_dir)
+
+
+def check_data_tokenizer(data_tok: Tokenizer, data_dir: str | Path, model_tok: Tokenizer, model: str) -> None:
+    """Refuse data whose ids mean other text to `model` (a checkpoint): its loss would be meaningless."""
+    if same_tokenizer(data_tok, model_tok):
+        return
+    data_says, model_says = (f"{t.name} ({t.vocab_size:,} tokens)" for t in (data_tok, model_tok))
+    raise GptforgeError(
+        f"{data_dir}: made with tokenizer {data_says}, but {model} uses "
+        f"{'another ' if data_says == model_says else ''}{model_says}; "
+        f"prepare the data with --tokenizer {model_tok.path or model_tok.name}"
+    )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:

@@ -50,6 +50,7 @@ def evaluate_loss(
             _, loss = model(x.to(device), y.to(device))
         sums[0] += loss.double() * y.numel()
         sums[1] += y.numel()
+    loader.verify()  # a short evaluation can end before the background check: its result must still be refused
     model.train(was_training)
     all_reduce_sum(sums, env)
     loss = (sums[0] / sums[1]).item()

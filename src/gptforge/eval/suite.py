@@ -5,8 +5,9 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from gptforge.checkpoint import load_for_inference
+from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.data.prepare import prepare
+from gptforge.data.tokenizer import check_data_tokenizer, data_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.humaneval import evaluate_humaneval, format_humaneval, read_problems
@@ -38,18 +39,30 @@ def evaluate_checkpoint(
     T = run.cfg.model.block_size
     result: dict[str, Any] = {"step": run.meta["step"]}
     if data:
+        check_data_tokenizer(data_tokenizer(data), data, tok, f"checkpoint {checkpoint}")
         result["val"] = evaluate_loss(model, data, batch_size, T, max_tokens, device, dtype)
     if text:
-        with tempfile.TemporaryDirectory(prefix="gptforge-eval-") as tmp:
-            # The checkpoint's own tokenizer, every document scored (no held-out split).
-            prepare(text, tmp, tokenizer=str(tok.path or tok.name), val_fraction=0.0, workers=1)
-            result["text"] = evaluate_loss(model, tmp, batch_size, T, max_tokens, device, dtype, split="train")
+        result["text"] = _text_loss(run, text, batch_size, max_tokens)
     if hellaswag:
         result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
     if humaneval:
         problems = read_problems(None if humaneval == "package" else humaneval, limit)
         result["humaneval"] = evaluate_humaneval(model, tok, problems, samples, list(ks), device, dtype, temperature)
     return result
+
+
+def _text_loss(run: Inference, text: str, batch_size: int, max_tokens: int) -> dict[str, float]:
+    """Loss on a text/code SOURCE, tokenized with the checkpoint's own tokenizer, every document scored."""
+    tok, T = run.tokenizer, run.cfg.model.block_size
+    with tempfile.TemporaryDirectory(prefix="gptforge-eval-") as tmp:
+        manifest = prepare(text, tmp, tokenizer=str(tok.path or tok.name), val_fraction=0.0, workers=1)
+        tokens = manifest["splits"]["train"]["tokens"]
+        if tokens <= batch_size * T:  # the loader would refuse too, naming the temp folder, gone by then
+            raise GptforgeError(
+                f"--text {text}: {tokens:,} tokens, too few for one batch of {batch_size} x {T + 1} tokens "
+                "(pass more text, or a smaller --batch-size)"
+            )
+        return evaluate_loss(run.model, tmp, batch_size, T, max_tokens, run.device, run.dtype, split="train")
 
 
 def format_results(result: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from gptforge.errors import GptforgeError
 from gptforge.files import is_empty_dir
 from gptforge.hub.publish import export_and_push
 from gptforge.runtime.distributed import DistEnv, print0
-from gptforge.train.setup import TrainSetup
+from gptforge.train.setup import TrainSetup, check_resume_tokenizer
 from gptforge.train.state import TrainState
 
 
@@ -54,6 +54,7 @@ class Checkpointer:
         """Continue from `ckpt` into the fresh setup; returns the settings that changed since it was saved, each
         honoured ('key: old -> new'). A new train.max_steps re-spans the schedule from the step reached."""
         s = self.setup
+        check_resume_tokenizer(ckpt, self.tokenizer, self.cfg.data.path)  # before the shapes could mismatch
         before = config_from_dict(read_meta(ckpt)["config"])
         changes = config_changes(before, self.cfg)  # refuses a new model shape before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)

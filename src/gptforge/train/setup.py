@@ -6,15 +6,17 @@ The trainer and `gptforge bench` both build through `build`, so the bench times 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from gptforge.checkpoint import load_checkpoint
+from gptforge.checkpoint import META, load_checkpoint
 from gptforge.config import Config
 from gptforge.data.shards import read_manifest
-from gptforge.data.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
+from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_dtype, setup_fast_math
@@ -40,6 +42,15 @@ def open_data(cfg: Config) -> Data:
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
     manifest = read_manifest(cfg.data.path)
     return Data(manifest, load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path))
+
+
+def check_resume_tokenizer(ckpt: Path, tokenizer: Tokenizer, data_dir: str) -> None:
+    """Refuse resuming checkpoint `ckpt` on data made with another tokenizer than its own."""
+    try:
+        name = json.loads((ckpt / META).read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GptforgeError(f"{ckpt / META}: malformed checkpoint metadata ({e})") from None
+    check_data_tokenizer(tokenizer, data_dir, load_tokenizer(name, ckpt), f"checkpoint {ckpt}")
 
 
 def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str, torch.Tensor] | None]:
