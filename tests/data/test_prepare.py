@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+from tests.helpers import lock_held_elsewhere
 
 from gptforge.data.prepare import prepare
 from gptforge.data.shards import read_manifest, read_shard
@@ -233,13 +234,10 @@ def test_force_with_the_same_settings_rebuilds(tmp_path, capsys):
 
 
 def test_a_second_prepare_into_the_same_folder_is_refused_naming_the_pid(tmp_path):
-    import os
-
-    from gptforge.files import locked
-
-    held = rf"out: in use by another gptforge prepare \(pid {os.getpid()}\)"
-    with locked(tmp_path / "out", "prepare"), pytest.raises(GptforgeError, match=held):  # as a running prepare
-        prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", workers=1)
+    with lock_held_elsewhere(tmp_path / "out", "prepare") as pid:  # as a running prepare holds it
+        busy = rf"out: in use by another gptforge prepare \(pid {pid}\)"
+        with pytest.raises(GptforgeError, match=busy):
+            prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", workers=1)
 
 
 def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
