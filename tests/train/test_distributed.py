@@ -144,13 +144,10 @@ def two_ranks(data_dir, out, *settings):
 def test_a_stalled_rank_fails_the_job_after_dist_timeout(data_dir, tmp_path):
     with two_ranks(data_dir, tmp_path / "run", "train.dist_timeout=5") as (rank0, rank1):
         rank1.send_signal(signal.SIGSTOP)
-        t = time.monotonic()
-        rank0.wait(timeout=60)
-        took = time.monotonic() - t
+        rank0.wait(timeout=120)  # far below PyTorch's 30-minute default; no tighter bound on a loaded machine
     last = (tmp_path / "rank0.log").read_text().splitlines()[-1]
     assert rank0.returncode == 1 and last.startswith("gptforge train: error: rank 0: "), last
     assert "timed out: a peer rank did not respond within train.dist_timeout=5s" in last
-    assert took < 5 + 15, took
 
 
 @pytest.mark.slow
@@ -160,12 +157,12 @@ def test_sigterm_while_blocked_on_a_stalled_rank_exits_promptly(data_dir, tmp_pa
         time.sleep(2)  # rank 0 reaches its next collective and waits there
         rank0.send_signal(signal.SIGTERM)
         t = time.monotonic()
-        rank0.wait(timeout=60)
+        rank0.wait(timeout=120)  # well inside train.dist_timeout=300: the signal, not the timeout, ended it
         took = time.monotonic() - t
     last = (tmp_path / "rank0.log").read_text().splitlines()[-1]
     assert rank0.returncode == 128 + signal.SIGTERM, last
     assert last.startswith("gptforge train: error: rank 0: SIGTERM, and ") and "without a checkpoint" in last
-    assert BLOCKED_SECONDS <= took < BLOCKED_SECONDS + 15, took
+    assert took >= BLOCKED_SECONDS, took  # it waited to be sure the rank was blocked
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
