@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 from gptforge import __version__
 from gptforge.errors import GptforgeError
 from gptforge.files import to_json
 from gptforge.runtime.allocator import keep_freed_memory
 
+PACKAGE = str(Path(__file__).parent)
 FORCE_HELP = "replace a non-empty --out folder (the old one is removed only once the new one is complete)"
 
 
@@ -43,8 +46,6 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from gptforge.config import describe, load_config
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.trainer import train
@@ -310,9 +311,10 @@ def _add_run_commands(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     args = build_parser().parse_args(argv)
-    warnings.formatwarning = lambda message, *_: f"gptforge {args.command}: warning: {message}\n"
     try:
-        args.func(args)
+        with warnings.catch_warnings():  # restores the previous showwarning for a caller that runs main() in-process
+            warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
+            args.func(args)
     except GptforgeError as e:
         return _fail(args.command, str(e))
     except KeyboardInterrupt:
@@ -333,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         return _bug(args.command)
     return 0
+
+
+def _show_warning(command: str, default, message, category, filename, lineno, file=None, line=None) -> None:
+    """gptforge's own warnings as one line like its errors; other libraries' in Python's usual form."""
+    if not str(filename).startswith(PACKAGE):
+        default(message, category, filename, lineno, file, line)
+        return
+    print(f"gptforge {command}: warning: {message}", file=file or sys.stderr, flush=True)
 
 
 def _fail(command: str, message: str) -> int:

@@ -1,5 +1,6 @@
 """Checkpoint cadence and pruning, resuming (damaged checkpoints, changed settings) and run-folder ownership."""
 
+import json
 import shutil
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from tests.helpers import lock_held_elsewhere
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
+from gptforge.cli import main
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
 from gptforge.rundir import CONFIG, read_metrics
@@ -129,3 +131,17 @@ def test_checkpoints_are_ordered_by_step_past_999999(tmp_path):
     ]
     with pytest.raises(GptforgeError, match="keep_last=0: pruning keeps at least the newest"):
         prune_checkpoints(tmp_path, keep_last=0, milestone_every=0)
+
+
+def test_the_cli_names_a_skipped_damaged_checkpoint_in_one_warning_line(saved_run, data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    damage_truncate(run / "checkpoints" / "step_000004")
+    assert main(["eval", str(run), "--data", str(data_dir), "--tokens", "256", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["step"] == 2
+    assert (
+        err.startswith("gptforge eval: warning: ")
+        and "step_000004: damaged checkpoint (model.safetensors is truncated" in err
+    )
+    assert len(err.strip().splitlines()) == 1
