@@ -230,10 +230,11 @@ class Inference:
     dtype: torch.dtype
 
 
-def load_for_inference(path: str | Path, device: str = "auto") -> Inference:
+def load_for_inference(path: str | Path, device: str = "auto", dtype: str = "auto") -> Inference:
+    """`dtype` 'auto' computes in the precision the checkpoint trained in (an import: the one it came in)."""
     dev = resolve_device(device)
     model, tok, cfg, meta = load_checkpoint(path, dev)
-    return Inference(model, tok, cfg, meta, dev, resolve_dtype(cfg.train.dtype, dev))
+    return Inference(model, tok, cfg, meta, dev, resolve_dtype(cfg.train.dtype if dtype == "auto" else dtype, dev))
 
 
 def restore_training_state(

@@ -16,6 +16,8 @@ from gptforge.files import to_json
 from gptforge.runtime.allocator import keep_freed_memory
 
 PACKAGE = str(Path(__file__).parent)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
 FORCE_HELP = "replace a non-empty --out folder (the old one is removed only once the new one is complete)"
 
 
@@ -77,6 +79,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.samples,
         args.k,
         args.temperature,
+        args.dtype,
     )
     print(to_json(result) if args.json else format_results(result))
 
@@ -95,6 +98,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
         seed=args.seed,
         device=args.device,
         use_cache=not args.no_cache,
+        dtype=args.dtype,
     )
     for piece in pieces:
         print(piece, end="", flush=True)
@@ -245,6 +249,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
     s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
     s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_eval)
 
@@ -259,6 +264,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     s.set_defaults(func=cmd_sample)
 
     s = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel folder")

@@ -22,10 +22,11 @@ def sample_texts(
     seed: int = 0,
     device: str = "auto",
     use_cache: bool = True,
+    dtype: str = "auto",
 ) -> Iterator[str]:
     """Load the checkpoint (a bad one fails here), then yield text to print as it is generated: a
     `--- sample N` line, the prompt, its continuation and a newline, for each sample of each prompt."""
-    run = load_for_inference(checkpoint, device)
+    run = load_for_inference(checkpoint, device, dtype)
     g = torch.Generator(device=run.device).manual_seed(seed)
     settings = (max_new_tokens, 1, temperature, top_k, top_p, run.tokenizer.eot, g, use_cache)
     return _pieces(run, prompts, num_samples, settings)

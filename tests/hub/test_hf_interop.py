@@ -50,7 +50,7 @@ def test_import_matches_transformers_logits(tmp_path, safetensors):
         ref.config.to_json_file(tmp_path / "hf" / "config.json")
         state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
         torch.save(state, tmp_path / "hf" / "pytorch_model.bin")
-    model, tokenizer = import_hf(tmp_path / "hf")
+    model, tokenizer, _ = import_hf(tmp_path / "hf")
     assert tokenizer == "gpt2" and model.config.padded_vocab_size == 50304
     idx = torch.randint(0, 50257, (2, 40))
     torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-4, rtol=1e-4)
@@ -67,7 +67,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_round_trips(tmp_path
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("Hello world")["input_ids"] == [15496, 995] and tok.eos_token_id == 50256
 
-    back, tokenizer = import_hf(out)
+    back, tokenizer, _ = import_hf(out)
     assert tokenizer == "gpt2"
     for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values(), strict=True):
         if name in ("transformer.wte.weight", "lm_head.weight"):
@@ -145,7 +145,7 @@ def test_export_push_commits_one_branch_per_run(tmp_path):
 def test_real_124m_shape_imports_with_parity(tmp_path):
     ref = hf_model(n_layer=12, n_head=12, n_embd=768, n_positions=1024)
     ref.save_pretrained(tmp_path / "hf")
-    model, _ = import_hf(tmp_path / "hf")
+    model, _, _ = import_hf(tmp_path / "hf")
     assert model.num_params() == 124_439_808
     idx = torch.randint(0, 50257, (1, 128))
     torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-4, rtol=1e-4)
@@ -240,3 +240,24 @@ def test_an_hf_config_that_does_not_describe_the_weights_is_one_line(tmp_path, e
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(GptforgeError, match=message):
         import_hf(tmp_path / "hf")
+
+
+def test_greedy_sampling_of_an_import_continues_like_transformers(tmp_path, capsys):
+    ref = hf_model(seed=3)
+    ref.save_pretrained(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert load_checkpoint(tmp_path / "ckpt")[2].train.dtype == "float32"  # the precision it came in
+    prompt = [15496, 995, 11]  # "Hello world,"
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=50256)
+    tok = load_tokenizer("gpt2")
+    texts = []
+    for flags in (["--temperature", "0"], ["--top-k", "1"], ["--top-k", "1", "--seed", "7"]):
+        capsys.readouterr()
+        args = ["sample", str(tmp_path / "ckpt"), "--prompt", tok.decode(prompt), "--max-new-tokens", "12"]
+        assert main([*args, *flags]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] == texts[2]  # one greedy path, whatever flag asks for it, and no randomness
+    new = expected[0, len(prompt) :].tolist()
+    eot = new.index(50256) if 50256 in new else len(new)  # our sampler stops at EOT, as generate would with eos
+    assert texts[0] == f"--- sample 0\n{tok.decode(prompt)}{tok.decode(new[:eot])}\n"

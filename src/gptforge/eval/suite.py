@@ -27,6 +27,7 @@ def evaluate_checkpoint(
     samples: int = 10,
     ks: tuple[int, ...] = (1, 10),
     temperature: float = 0.8,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k.
 
@@ -34,7 +35,7 @@ def evaluate_checkpoint(
     """
     if not (data or text or hellaswag or humaneval):
         raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag and/or --humaneval")
-    run = load_for_inference(checkpoint, device_name)
+    run = load_for_inference(checkpoint, device_name, dtype)
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
     T = run.cfg.model.block_size
     result: dict[str, Any] = {"step": run.meta["step"]}

@@ -113,6 +113,14 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     return validate(Config(model=cfg), str(where)).model
 
 
+def _precision(config: dict[str, Any], where: Path) -> str:
+    """transformers writes `torch_dtype` (`dtype` from version 5); weights are stored in that precision."""
+    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if declared not in ("float32", "bfloat16", "float16"):
+        raise GptforgeError(f"{where}: dtype {declared!r} (expected float32, bfloat16 or float16)")
+    return declared
+
+
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, a sharded safetensors index, or pytorch_model.bin (loaded with weights_only)."""
     if (hf_dir / "model.safetensors").is_file():
@@ -158,14 +166,16 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
     return out
 
 
-def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path]:
-    """An HF GPT-2 folder as our model, plus its tokenizer: 'gpt2' or the path of its tokenizer.json."""
+def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
+    """An HF GPT-2 folder as our model, its tokenizer ('gpt2' or the path of its tokenizer.json) and the
+    precision config.json declares (float32 when it declares none)."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face GPT-2 model folder)")
     try:
-        cfg = gpt_config_from_hf(json.loads(read_text(config_path)), config_path)
+        config = json.loads(read_text(config_path))
+        cfg = gpt_config_from_hf(config, config_path)
     except json.JSONDecodeError as e:
         raise GptforgeError(f"{config_path}: not JSON ({e})") from None
     model = GPT(cfg)
@@ -176,7 +186,7 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path]:
         raise GptforgeError(f"{hf_dir}: weights do not match config.json ({first_detail(e)})") from None
     if missing or unexpected:
         raise GptforgeError(f"{hf_dir}: weights do not match config.json (missing {missing}, unexpected {unexpected})")
-    return model.eval(), _hf_tokenizer(hf_dir, cfg)
+    return model.eval(), _hf_tokenizer(hf_dir, cfg), _precision(config, config_path)
 
 
 def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> str | Path:

@@ -50,8 +50,10 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) 
     """`gptforge import`: an HF GPT-2 folder as a gptforge checkpoint (no optimizer state, step 0); an existing
     non-empty `out` is replaced (atomically) only with `force`."""
     check_output_dir(out, force, reads=[hf_dir])
-    model, tokenizer = import_hf(hf_dir)
+    model, tokenizer, precision = import_hf(hf_dir)
     tok = load_tokenizer(str(tokenizer))
     meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}
-    path = write_checkpoint(Path(out), model, None, Config(model=model.config), tok, meta)
+    cfg = Config(model=model.config)
+    cfg.train.dtype = precision  # sampling and evaluation compute in it, as transformers would
+    path = write_checkpoint(Path(out), model, None, cfg, tok, meta)
     return f"wrote {path}: {model.num_params():,} parameters, tokenizer {tok.name}"

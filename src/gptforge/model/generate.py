@@ -18,7 +18,7 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """One token id per row of (B, V) logits; greedy when temperature is 0."""
-    if temperature <= 0:
+    if temperature <= 0 or top_k == 1:  # greedy, however asked: the same token, and no random number drawn
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k:
