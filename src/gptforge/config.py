@@ -218,6 +218,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "model.n_embd": _at_least(1),
     "model.vocab_multiple": _at_least(1),
     "model.dropout": _within(0, 1),
+    "model.layer_norm_eps": _POSITIVE,
     "optim.lr": _POSITIVE,
     "optim.min_lr_ratio": _within(0, 1, high_ok=True),
     "optim.warmup_steps": _at_least(0),

@@ -261,3 +261,28 @@ def test_greedy_sampling_of_an_import_continues_like_transformers(tmp_path, caps
     new = expected[0, len(prompt) :].tolist()
     eot = new.index(50256) if 50256 in new else len(new)  # our sampler stops at EOT, as generate would with eos
     assert texts[0] == f"--- sample 0\n{tok.decode(prompt)}{tok.decode(new[:eot])}\n"
+
+
+def test_import_keeps_layer_norm_epsilon_and_knows_gpt2_from_a_tokenizer_json(tmp_path):
+    ref = hf_model(seed=4, layer_norm_epsilon=1e-2)
+    ref.save_pretrained(tmp_path / "hf")
+    gpt2 = transformers.GPT2TokenizerFast.from_pretrained(str(export_tokenizer_folder(tmp_path / "tok")))
+    gpt2.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "vocab.json").unlink(missing_ok=True)  # what transformers 5 writes: tokenizer.json only
+    (tmp_path / "hf" / "merges.txt").unlink(missing_ok=True)
+    model, tokenizer, _ = import_hf(tmp_path / "hf")
+    assert tokenizer == "gpt2" and model.config.layer_norm_eps == 1e-2
+    idx = torch.randint(0, 50257, (1, 20))
+    torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-5, rtol=1e-5)
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "add_cross_attention": True}))
+    with pytest.raises(GptforgeError, match="add_cross_attention=True is not supported"):
+        import_hf(tmp_path / "hf")
+
+
+def export_tokenizer_folder(folder):
+    """GPT-2's vocab.json + merges.txt, as our export writes them."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8))
+    return export_hf(model, load_tokenizer("gpt2"), folder)

@@ -72,7 +72,7 @@ def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "attn_pdrop": cfg.dropout,
-        "layer_norm_epsilon": 1e-5,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
@@ -97,6 +97,7 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
         "scale_attn_weights": (config.get("scale_attn_weights", True), {True}),
         "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), {False}),
         "tie_word_embeddings": (config.get("tie_word_embeddings", True), {True}),
+        "add_cross_attention": (config.get("add_cross_attention", False), {False}),
     }
     for key, (value, allowed) in checks.items():
         if value not in allowed:
@@ -109,6 +110,7 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
         n_layer=config["n_layer"],
         n_head=config["n_head"],
         n_embd=config["n_embd"],
+        layer_norm_eps=config.get("layer_norm_epsilon", 1e-5),
     )
     return validate(Config(model=cfg), str(where)).model
 
@@ -189,12 +191,22 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
     return model.eval(), _hf_tokenizer(hf_dir, cfg), _precision(config, config_path)
 
 
+def _is_gpt2_bpe(path: Path) -> bool:
+    """A tokenizer.json holding exactly GPT-2's vocabulary and merges (merges are 'a b' strings or [a, b] pairs)."""
+    model = json.loads(read_text(path)).get("model") or {}
+    if model.get("type") != "BPE":
+        return False
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    gpt2_merges = [line for line in read_text(_gpt2_data("vocab.bpe")).splitlines()[1:] if line]
+    return merges == gpt2_merges and model.get("vocab") == json.loads(read_text(_gpt2_data("encoder.json")))
+
+
 def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> str | Path:
     vocab = hf_dir / "vocab.json"
     if vocab.is_file() and json.loads(vocab.read_text()) == json.loads(_gpt2_data("encoder.json").read_text()):
         return "gpt2"
-    if (hf_dir / "tokenizer.json").is_file():
-        return hf_dir / "tokenizer.json"
+    if (hf_dir / "tokenizer.json").is_file():  # transformers 5 saves only this, for GPT-2's BPE too
+        return "gpt2" if _is_gpt2_bpe(hf_dir / "tokenizer.json") else hf_dir / "tokenizer.json"
     if cfg.vocab_size == 50257 and not vocab.is_file():
         return "gpt2"  # OpenAI's GPT-2 weights, downloaded without tokenizer files
     raise GptforgeError(f"{hf_dir}: cannot tell the tokenizer (expected GPT-2's vocab.json or a tokenizer.json)")

@@ -33,6 +33,8 @@ class GPTConfig:
     """Pad the embedding rows to a multiple of this (50257 -> 50304); padded ids are never scored or sampled."""
     dropout: float = 0.0
     """Dropout on embeddings, attention and residual outputs (0 for pretraining, as GPT-2 recipes do)."""
+    layer_norm_eps: float = 1e-5
+    """LayerNorm epsilon (GPT-2's 1e-5; an imported model keeps its own)."""
     fused_loss: bool = True
     """Compute the cross-entropy together with lm_head, a chunk of rows at a time, so the full (tokens x vocab)
     logits never exist: less memory, same loss and gradients as the plain path."""
@@ -132,9 +134,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
@@ -152,7 +154,7 @@ class GPT(nn.Module):
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd),
+                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps),
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
