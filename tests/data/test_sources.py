@@ -50,6 +50,18 @@ def test_hf_dataset_streams_from_a_local_folder(tmp_path, monkeypatch):
         list(documents(f"hf:{tmp_path / 'ds'}", "text"))
 
 
+def test_a_save_to_disk_folder_is_a_source(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_dict({"text": ["print(1)", "y = 2"]})
+    rows.save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": rows, "test": rows.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    for folder in ("one", "dict"):
+        assert [t for _, t in documents(f"hf:{tmp_path / folder}", "text")] == ["print(1)", "y = 2"]
+    datasets.DatasetDict({"test": rows}).save_to_disk(str(tmp_path / "no-train"))
+    with pytest.raises(GptforgeError, match=r"the saved dataset has no 'train' split \(it has \['test'\]\)"):
+        list(documents(f"hf:{tmp_path / 'no-train'}", "text"))
+
+
 def test_presets_name_the_public_datasets():
     assert resolve("fineweb-edu-10b", None) == ("hf:HuggingFaceFW/fineweb-edu:sample-10BT", "text")
     assert resolve("codeparrot", None) == ("hf:codeparrot/codeparrot-clean", "content")

@@ -172,10 +172,26 @@ def open_hf_dataset(spec: str, split: str, where: str) -> Iterator[dict]:
     except ImportError:
         raise GptforgeError(f"{where}: needs the datasets library (pip install 'gptforge[hf]')") from None
     name, _, config = spec.partition(":")
+    saved = Path(name)
+    if (saved / "state.json").is_file() or (saved / "dataset_dict.json").is_file():
+        return _saved_dataset(datasets, saved, split, where)
     try:
         return datasets.load_dataset(name, config or None, split=split, streaming=True)
     except Exception as e:  # datasets raises many types (offline, missing config, unknown dataset)
         raise GptforgeError(f"{where}: cannot open the dataset ({type(e).__name__}: {e})") from None
+
+
+def _saved_dataset(datasets, folder: Path, split: str, where: str):
+    """A folder written by `Dataset.save_to_disk` (or a DatasetDict's, whose `split` is taken), memory-mapped."""
+    try:
+        saved = datasets.load_from_disk(str(folder))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged folder
+        raise GptforgeError(f"{where}: cannot load the saved dataset ({type(e).__name__}: {e})") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise GptforgeError(f"{where}: the saved dataset has no {split!r} split (it has {sorted(saved)})")
+        saved = saved[split]
+    return saved
 
 
 def hf_documents(spec: str, text_field: str) -> Iterator[Document]:
