@@ -24,6 +24,17 @@ def test_tensorboard_and_offline_wandb_sinks(data_dir, tmp_path, monkeypatch):
     assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "r" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert "config/text_summary" in events.Tags()["tensors"]  # the settings beside the curves
+
+    resumed = load_config("tiny", [f"data.path={data_dir}", "train.max_steps=3", "log.wandb=gptforge-test"])
+    train(resumed, tmp_path / "r", resume="auto")
+    run_id = (tmp_path / "r" / "wandb_id").read_text()
+    runs = sorted(p.name for p in (tmp_path / "r" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)  # one W&B run, continued
+
 
 def test_metrics_are_strict_json_and_a_restart_supersedes_what_it_redoes(tmp_path):
     with MetricsLog(tmp_path) as log:
