@@ -62,8 +62,9 @@ def test_checkpoint_holds_rng_state(tmp_path):
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.parametrize("library", [False, True])
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
-    data_dir, tmp_path, monkeypatch, capsys
+    data_dir, tmp_path, monkeypatch, capsys, library
 ):
     import gptforge.checkpoint
 
@@ -74,6 +75,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
         if len(saves) == 2:
             with open(path, "wb") as f:
                 f.write(b"partial")
+            if library:  # safetensors' own error type and words for it
+                raise RuntimeError('IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
             raise OSError(errno.ENOSPC, "No space left on device", path)
         real_save(model, path)
 
@@ -82,9 +85,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
     args = ["train", "--config", "tiny", "--data", str(data_dir), "--out", str(run), "--set", "train.max_steps=4"]
     assert main([*args, "--set", "checkpoint.every=2", "--set", "eval.every=0"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("gptforge train: error: ") and err.endswith(
-        "model.safetensors: No space left on device (check the disk space and permissions there)"
-    )
-    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_000002"]
+    assert err.startswith("gptforge train: error: cannot write ") and "No space left on device" in err
+    assert len(err.splitlines()) == 1
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]  # the partial one is gone
     assert load_checkpoint(run)[3]["step"] == 2
     assert main([*args, "--resume", "auto"]) == 0  # space freed: the run continues from step 2

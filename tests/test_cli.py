@@ -76,6 +76,7 @@ def test_console_script_runs():
         (["eval", "{tmp}", "--k", "1,x"], 2, "argument --k: expected comma-separated positive integers"),
         (["eval", "{tmp}", "--batch-size", "0"], 2, "argument --batch-size: expected an integer >= 1, got '0'"),
         (["bench", "--steps", "0"], 2, "argument --steps: expected an integer >= 1, got '0'"),
+        (["sample", "{tmp}", "--seed", "9" * 24], 2, "argument --seed: expected an integer in [0, 2**63)"),
         (["train", "--data", "{tmp}", "--set", "model.n_head=3"], 1, "model.n_head=3 must divide model.n_embd"),
         (["train", "--set", "checkpoint.keep_last=-1"], 1, "checkpoint.keep_last=-1 (expected >= 0)"),
         (["plot", "{tmp}"], 1, "no metrics.jsonl"),

@@ -95,6 +95,8 @@ def test_moved_keys_keep_their_old_spelling():
         ("train.dtype=fp8", "train.dtype='fp8' \\(expected one of auto, float32, bfloat16, float16\\)"),
         ("checkpoint.keep_last=-1", r"checkpoint.keep_last=-1 \(expected >= 0\)"),
         ("log.every=0", r"log.every=0 \(expected >= 1\)"),
+        ("train.seed=-5", r"train.seed=-5 \(expected in \[0, 2\*\*63\)\)"),
+        ("train.seed=99999999999999999999", r"train.seed=99999999999999999999 \(expected in \[0, 2\*\*63\)\)"),
     ],
 )
 def test_out_of_range_values_are_one_line_naming_key_value_and_range(override, message):

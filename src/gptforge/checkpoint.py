@@ -24,7 +24,7 @@ from safetensors.torch import load_model, save_model
 from gptforge.config import Config, config_from_dict, to_dict
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json
+from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json, writing
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
@@ -47,10 +47,16 @@ def save_checkpoint(
     tmp = temp_dir_path(final)
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
-    if env.is_main:
-        _write_files(temp_dir_for(final), model, optimizer, cfg, tokenizer, {"step": step, **(extra or {})})
-    barrier(env)
-    torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
+    try:
+        with writing(final):
+            if env.is_main:
+                meta = {"step": step, **(extra or {})}
+                _write_files(temp_dir_for(final), model, optimizer, cfg, tokenizer, meta)
+            barrier(env)
+            torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
+    except GptforgeError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back; the previous checkpoint stands
+        raise
     barrier(env)
     if env.is_main:
         swap_dir(tmp, final)
@@ -159,14 +165,20 @@ def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
 def _safetensors_problem(path: Path) -> str | None:
     """A safetensors file is an 8-byte header length, a JSON header, then exactly the bytes it describes."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:  # random bytes: never read a length the file cannot hold
+                return f"{path.name} is unreadable (not a safetensors file)"
             header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as e:
-        return f"{path.name} is unreadable ({type(e).__name__}: {e})"
-    if path.stat().st_size != 8 + n + end:
-        return f"{path.name} is truncated ({path.stat().st_size:,} bytes, expected {8 + n + end:,})"
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        end = max(ends, default=0)
+        if not all(isinstance(e, int) for e in ends):
+            raise ValueError("data_offsets are not integers")
+    except Exception as e:  # noqa: BLE001 - whatever the bytes are, the answer is "unreadable"
+        return f"{path.name} is unreadable ({type(e).__name__}: {first_detail(e)})"
+    if size != 8 + n + end:
+        return f"{path.name} is truncated or padded ({size:,} bytes, expected {8 + n + end:,})"
     return None
 
 

@@ -171,6 +171,14 @@ def _at_least(low: float, kind: type = int):
     return parse
 
 
+def _seed(text: str) -> int:
+    """--seed: what torch.Generator.manual_seed takes."""
+    value = _at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}")
+    return value
+
+
 def _probability(text: str) -> float:
     """--top-p: a mass in (0, 1]."""
     try:
@@ -261,7 +269,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--temperature", type=_at_least(0.0, float), default=0.8, help="0 = greedy")
     s.add_argument("--top-k", type=_at_least(0), default=50, help="0 = no top-k")
     s.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0, help="random seed, in [0, 2**63) (default 0)")
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)

@@ -231,6 +231,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.decay_fraction": _within(0, 1, high_ok=True),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _at_least(1),
+    "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),
     "train.max_steps": _at_least(1),
     "train.time_budget": _at_least(0),
     "train.device": ((lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)), "auto, cpu, cuda, cuda:N or mps"),

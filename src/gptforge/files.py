@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from gptforge.errors import GptforgeError
+from gptforge.errors import GptforgeError, first_detail
 
 
 def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryview]) -> Path:
@@ -28,7 +28,7 @@ def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryvi
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     try:
-        with open(tmp, "wb") as f:
+        with writing(path), open(tmp, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
@@ -98,11 +98,35 @@ def building_dir(final: str | Path) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir_for(final)
     try:
-        yield tmp
+        with writing(final):
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     swap_dir(tmp, final)
+
+
+@contextlib.contextmanager
+def writing(target: Path) -> Iterator[None]:
+    """Turn a failed write into one line naming `target`. Libraries that write for us (safetensors, torch.save)
+    report a full disk in their own words, so their errors are read as one when the disk has no room left."""
+    try:
+        yield
+    except (GptforgeError, KeyboardInterrupt):
+        raise
+    except OSError as e:
+        raise GptforgeError(f"cannot write {e.filename or target}: {e.strerror or e}") from None
+    except Exception as e:
+        if not _disk_full(target, e):
+            raise
+        raise GptforgeError(f"cannot write {target}: No space left on device ({first_detail(e)})") from None
+
+
+def _disk_full(target: Path, error: Exception) -> bool:
+    if "No space left" in str(error) or "os error 28" in str(error):
+        return True
+    folder = next((p for p in (target, *target.parents) if p.exists()), Path("."))
+    return shutil.disk_usage(folder).free < 64 << 20
 
 
 LOCK = ".lock"
@@ -216,5 +240,5 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
 
 def append_jsonl(path: str | Path, record: Any) -> None:
     """Add one line to an append-only log (metrics, samples): a crash can cut only the line being written."""
-    with open(path, "a", encoding="utf-8") as f:
+    with writing(Path(path)), open(path, "a", encoding="utf-8") as f:
         f.write(to_json(record) + "\n")

@@ -286,3 +286,24 @@ def export_tokenizer_folder(folder):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8))
     return export_hf(model, load_tokenizer("gpt2"), folder)
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]), "unreadable"),
+        (lambda d: (d / "model.safetensors").write_bytes(bytes(range(256)) * 100), "unreadable weights"),
+        (lambda d: d.joinpath("model.safetensors").rename(d / "pytorch_model.bin"), "unreadable weights"),
+        (
+            lambda d: d.joinpath("config.json").write_text(
+                d.joinpath("config.json").read_text().replace('"vocab_size": 50257', '"vocab_size": 100')
+            ),
+            "weights do not match config.json",
+        ),
+    ],
+)
+def test_damaged_hf_weights_are_one_line(tmp_path, damage, message):
+    hf_model().save_pretrained(tmp_path / "hf")
+    damage(tmp_path / "hf")
+    with pytest.raises(GptforgeError, match=message):
+        import_hf(tmp_path / "hf")

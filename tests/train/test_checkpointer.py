@@ -49,6 +49,14 @@ def damage_truncate(ckpt):
     path.write_bytes(path.read_bytes()[:-100])
 
 
+def damage_random_bytes(ckpt):
+    (ckpt / "model.safetensors").write_bytes(bytes(range(256)) * 4000)
+
+
+def damage_list_header(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+
+
 def damage_no_optimizer(ckpt):
     (ckpt / "optimizer.pt").unlink()
 
@@ -57,7 +65,9 @@ def damage_meta(ckpt):
     (ckpt / "meta.json").write_text('{"step": 4, "conf')
 
 
-@pytest.mark.parametrize("damage", [damage_truncate, damage_no_optimizer, damage_meta])
+@pytest.mark.parametrize(
+    "damage", [damage_truncate, damage_random_bytes, damage_list_header, damage_no_optimizer, damage_meta]
+)
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, data_dir, tmp_path, damage):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)

@@ -181,9 +181,14 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
     except json.JSONDecodeError as e:
         raise GptforgeError(f"{config_path}: not JSON ({e})") from None
     model = GPT(cfg)
-    state = from_hf_state_dict(read_hf_weights(hf_dir), cfg)
     try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        weights = read_hf_weights(hf_dir)
+    except GptforgeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors and torch.load raise their own types for a damaged file
+        raise GptforgeError(f"{hf_dir}: unreadable weights ({type(e).__name__}: {first_detail(e)})") from None
+    try:
+        missing, unexpected = model.load_state_dict(from_hf_state_dict(weights, cfg), strict=False)
     except RuntimeError as e:  # shapes that config.json does not describe
         raise GptforgeError(f"{hf_dir}: weights do not match config.json ({first_detail(e)})") from None
     if missing or unexpected:

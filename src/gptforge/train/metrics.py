@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import atomic_write, to_json
+from gptforge.files import atomic_write, to_json, writing
 from gptforge.rundir import METRICS
 
 
@@ -18,7 +18,8 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, tensorboard: bool = False, wandb_project: str = "", config: dict | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / METRICS, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
+        self._path = run_dir / METRICS
+        self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
         self._tb = self._wandb = None
         try:
             self._tb = _open_tensorboard(run_dir, config) if tensorboard else None
@@ -29,8 +30,9 @@ class MetricsLog:
 
     def write(self, kind: str, step: int, **values: Any) -> None:
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        self._file.write(to_json(record) + "\n")
-        self._file.flush()
+        with writing(self._path):
+            self._file.write(to_json(record) + "\n")
+            self._file.flush()
         numbers = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
         if self._tb is not None:
             for key, value in numbers.items():
