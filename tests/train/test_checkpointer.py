@@ -155,3 +155,22 @@ def test_the_cli_names_a_skipped_damaged_checkpoint_in_one_warning_line(saved_ru
         and "step_000004: damaged checkpoint (model.safetensors is truncated" in err
     )
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_run_never_starts_in_the_data_or_among_other_files_but_retries_a_failed_start(data_dir, tmp_path):
+    with pytest.raises(GptforgeError, match="which this command reads"):
+        train(tiny(data_dir, "train.max_steps=1"), data_dir, resume="auto")
+    with pytest.raises(GptforgeError, match="which this command reads"):
+        train(tiny(data_dir, "train.max_steps=1"), data_dir.parent, resume="auto")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    with pytest.raises(GptforgeError, match="already holds a run"):
+        train(tiny(data_dir, "train.max_steps=1"), home, resume="auto")
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]  # not even a lock file was left
+
+    failed = tmp_path / "failed"  # what a start that failed in setup leaves: config, an empty log, the lock
+    with pytest.raises(GptforgeError, match="nonexistent.jsonl"):
+        train(tiny(data_dir, "train.max_steps=1", f"eval.hellaswag={tmp_path / 'nonexistent.jsonl'}"), failed)
+    assert train(tiny(data_dir, "train.max_steps=2"), failed).steps == 2  # the corrected command just works
+    assert [r["step"] for r in read_metrics(failed)["train"]] == [1, 2]

@@ -104,8 +104,10 @@ def test_non_finite_steps_are_skipped_then_stop(data_dir, tmp_path, monkeypatch)
 
 def test_a_diverging_run_ends_by_the_skip_rule_with_samples_and_evaluation_on(data_dir, tmp_path):
     overrides = ["optim.lr=1e9", "optim.warmup_steps=1", "train.max_steps=60", "eval.every=3", "checkpoint.every=2"]
-    with pytest.raises(GptforgeError, match=r"10 steps in a row with a non-finite loss .* last good checkpoint: "):
+    with pytest.raises(GptforgeError, match=r"10 steps in a row with a non-finite loss .* last good checkpoint: none"):
         train(tiny_cfg(data_dir, *overrides), tmp_path / "r")
+    with pytest.raises(GptforgeError, match=r"steps in a row with a non-finite loss .* last good checkpoint: none"):
+        train(tiny_cfg(data_dir, *overrides), tmp_path / "r", resume="auto")  # checkpoints saved mid-streak: none
     metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
     assert "NaN" not in metrics and "Infinity" not in metrics
 

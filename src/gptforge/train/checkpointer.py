@@ -5,20 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from gptforge.checkpoint import (
+    checkpoint_problem,
     checkpoints,
     prune_checkpoints,
     read_meta,
     resolve_checkpoint,
     restore_training_state,
     save_checkpoint,
+    step_of,
 )
 from gptforge.config import Config, config_from_dict, load_config, to_dict
 from gptforge.data.prefetch import Prefetcher
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import is_empty_dir
+from gptforge.files import LOCK, check_output_dir, is_empty_dir
 from gptforge.hub.publish import export_and_push
+from gptforge.rundir import CONFIG, METRICS, SAMPLES
 from gptforge.runtime.distributed import DistEnv, print0
+from gptforge.train.metrics import WANDB_ID
 from gptforge.train.setup import TrainSetup, check_resume_tokenizer
 from gptforge.train.state import TrainState
 
@@ -62,7 +66,7 @@ class Checkpointer:
         state.load_state_dict(meta)
         if meta.get("scaler"):
             s.scaler.load_state_dict(meta["scaler"])
-        self.last_good = ckpt
+        self.last_good = _last_good(ckpt)
         if self.cfg.train.max_steps != before.train.max_steps:
             if self.cfg.train.max_steps <= state.step:
                 raise GptforgeError(
@@ -75,6 +79,16 @@ class Checkpointer:
         return changes
 
 
+def _last_good(ckpt: Path) -> Path | None:
+    """`ckpt`, or the newest checkpoint of its run before it, that was not saved in a run of skipped steps."""
+    older = [p for p in checkpoints(ckpt.parent.parent) if step_of(p) <= step_of(ckpt)]
+    return next((p for p in reversed(older) if _saved_cleanly(p)), None)
+
+
+def _saved_cleanly(ckpt: Path) -> bool:
+    return checkpoint_problem(ckpt) is None and not read_meta(ckpt).get("skipped_in_row", 0)
+
+
 def find_resume(run_dir: Path, resume: str | None) -> Path | None:
     """The checkpoint to continue from: 'auto' is the run's newest intact one (none yet: start fresh),
     anything else a checkpoint or run folder."""
@@ -83,14 +97,19 @@ def find_resume(run_dir: Path, resume: str | None) -> Path | None:
     return resolve_checkpoint(run_dir if resume == "auto" else resume, for_training=True)
 
 
-def claim_run_dir(run_dir: Path, resume: str | None, resume_from: Path | None) -> None:
-    """Refuse to start in a folder that holds another run's files: continuing a run needs --resume, and a
-    checkpoint of another run resumes only into an empty folder (two runs' files never mix)."""
+# What a run folder holds before its first checkpoint: a folder of only these is an attempt that never saved.
+RUN_FILES = {CONFIG, METRICS, SAMPLES, "checkpoints", "tensorboard", "wandb", WANDB_ID, LOCK}
+
+
+def claim_run_dir(run_dir: Path, resume_from: Path | None, data_path: str) -> None:
+    """Refuse to start in a folder that holds other files: continuing a run needs --resume, a checkpoint of
+    another run resumes only into an empty folder (two runs' files never mix), and never into the data."""
+    check_output_dir(run_dir, force=True, reads=[data_path])
     if is_empty_dir(run_dir):
         return
     if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
         return
-    if resume == "auto" and resume_from is None:
+    if resume_from is None and not checkpoints(run_dir) and {p.name for p in run_dir.iterdir()} <= RUN_FILES:
         return  # an earlier attempt stopped before its first checkpoint: start over, its log lines are superseded
     raise GptforgeError(
         f"--out {run_dir}: already holds a run; continue it with --resume auto, or pick another --out"

@@ -38,11 +38,18 @@ class TrainState:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "max_steps": self.max_steps, "skipped_steps": self.skipped}
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "max_steps": self.max_steps,
+            "skipped_steps": self.skipped,
+            "skipped_in_row": self.skipped_in_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens, self.max_steps = state["step"], state["tokens"], state["max_steps"]
         self.skipped = state.get("skipped_steps", 0)
+        self.skipped_in_row = state.get("skipped_in_row", 0)
 
 
 def ramp_accumulation(tokens: int, grad_accum: int, ramp_tokens: int) -> int:

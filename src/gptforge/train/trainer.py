@@ -18,7 +18,7 @@ from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.loader import TokenLoader
 from gptforge.data.prefetch import Prefetcher
 from gptforge.files import atomic_write, locked
-from gptforge.rundir import CONFIG, format_duration
+from gptforge.rundir import CONFIG, METRICS, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import resolve_device
 from gptforge.train.checkpointer import Checkpointer, claim_run_dir, find_resume
@@ -63,7 +63,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     print0 = functools.partial(distributed.print0, env)
     data = open_data(cfg)
     cfg, init_weights = resolve_config(cfg, data.tokenizer)
-    resume_from = _claim(run_dir, resume, env, cleanup)
+    resume_from = _claim(run_dir, resume, cfg.data.path, env, cleanup)
     s = build(cfg, env, device, init_weights)
     print0(run_header(cfg, s, data.tokenizer.name, env.world_size))
     B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
@@ -71,8 +71,9 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     state = TrainState(max_steps=cfg.train.max_steps)
     checkpointer = Checkpointer(run_dir, cfg, data.tokenizer, s, env)
     changes = checkpointer.restore(resume_from, state, loader) if resume_from else []
+    restarting = (run_dir / METRICS).is_file()
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
-    if resume:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
+    if restarting:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
         metrics.write("resume", state.step, checkpoint=str(resume_from or ""), changes=changes)
     evaluate = Evaluator(cfg, s, data.tokenizer, data.has_val, metrics, run_dir, env)
     budget = TimeBudget(cfg, data.has_val, env, device)
@@ -137,12 +138,12 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
 
 
-def _claim(run_dir: Path, resume: str | None, env: distributed.DistEnv, cleanup: contextlib.ExitStack) -> Path | None:
-    """Lock the run folder for this run's life (rank 0), refuse another run's folder; the checkpoint to resume."""
+def _claim(run_dir: Path, resume: str | None, data: str, env: distributed.DistEnv, cleanup) -> Path | None:
+    """Refuse a folder that is not this run's, then lock it for the run's life (rank 0); the checkpoint to resume."""
     resume_from = find_resume(run_dir, resume)
+    claim_run_dir(run_dir, resume_from, data)  # before the lock creates anything
     if env.is_main:  # one holder per run folder; the OS frees it if this process dies
         cleanup.enter_context(locked(run_dir, "train"))
-    claim_run_dir(run_dir, resume, resume_from)
     return resume_from
 
 
