@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gptforge.cli import main
+from gptforge.errors import GptforgeError
 
 
 def run_cli(*args, cwd=None):
@@ -127,3 +128,16 @@ def test_os_errors_are_one_line_and_bugs_say_so(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError" in err
     assert err.strip().splitlines()[-1].startswith("gptforge report: error: unexpected failure: a bug in gptforge")
+
+
+def test_an_error_mid_sample_starts_on_its_own_line(monkeypatch, capsys):
+    import gptforge.sample
+
+    def fails_midway(*args, **kwargs):
+        yield "--- sample 0\nhi"
+        raise GptforgeError("the model's next-token probabilities are not finite (its weights have diverged)")
+
+    monkeypatch.setattr(gptforge.sample, "sample_texts", fails_midway)
+    assert main(["sample", "ckpt"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "--- sample 0\nhi\n" and err.startswith("gptforge sample: error: the model's next-token")

@@ -134,8 +134,8 @@ def test_check_output_dir_refuses_what_would_destroy_data(tmp_path):
 
 def test_a_locked_folder_names_its_holder_and_is_released_by_kill_9(tmp_path):
     with lock_held_elsewhere(tmp_path) as pid:
-        busy = rf"in use by another gptforge train \(pid {pid}\)"
-        with pytest.raises(GptforgeError, match=busy), locked(tmp_path, "train"):
+        busy = rf"in use by another gptforge train \(pid {pid}\)"  # the holder's job, not the asker's
+        with pytest.raises(GptforgeError, match=busy), locked(tmp_path, "prepare"):
             pass
     with locked(tmp_path, "train"):  # nothing stale after a kill -9
-        assert (tmp_path / LOCK).read_text() == f"{os.getpid()}\n"
+        assert (tmp_path / LOCK).read_text() == f"{os.getpid()} train\n"

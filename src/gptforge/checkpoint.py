@@ -244,7 +244,7 @@ class Inference:
 
 def load_for_inference(path: str | Path, device: str = "auto", dtype: str = "auto") -> Inference:
     """`dtype` 'auto' computes in the precision the checkpoint trained in (an import: the one it came in)."""
-    dev = resolve_device(device)
+    dev = resolve_device(device, "--device")
     model, tok, cfg, meta = load_checkpoint(path, dev)
     return Inference(model, tok, cfg, meta, dev, resolve_dtype(cfg.train.dtype if dtype == "auto" else dtype, dev))
 

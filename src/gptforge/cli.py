@@ -100,8 +100,14 @@ def cmd_sample(args: argparse.Namespace) -> None:
         use_cache=not args.no_cache,
         dtype=args.dtype,
     )
-    for piece in pieces:
-        print(piece, end="", flush=True)
+    at_line_start = True
+    try:
+        for piece in pieces:
+            print(piece, end="", flush=True)
+            at_line_start = piece.endswith("\n") if piece else at_line_start
+    finally:
+        if not at_line_start:  # an error or Ctrl-C mid-sample starts its message on a line of its own
+            print(flush=True)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

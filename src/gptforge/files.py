@@ -176,12 +176,13 @@ def locked(folder: str | Path, what: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            pid, _, job = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
             raise GptforgeError(
-                f"{folder}: in use by another gptforge {what} (pid {holder}); wait for it to end or stop it"
+                f"{folder}: in use by another gptforge {job or what} (pid {pid or 'unknown'}); "
+                "wait for it to end or stop it"
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
         _held.add(key)
         yield
     finally:

@@ -4,6 +4,7 @@ import json
 
 from gptforge.cli import main
 from gptforge.config import load_config
+from gptforge.errors import GptforgeError
 from gptforge.report.plot import PANELS, plot_runs
 from gptforge.report.summary import run_report
 from gptforge.train.trainer import train
@@ -72,3 +73,24 @@ def test_plot_and_report_survive_a_diverged_step_and_a_torn_line_and_name_a_bad_
             "metrics.jsonl:2: a train record without ['loss', 'lr', 'grad_norm', 'tokens', "
             "'tokens_per_s', 'time'] (not written by gptforge train)"
         ), err
+
+
+def test_plot_into_a_folder_is_refused_and_a_read_only_run_still_gets_its_report(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8})
+    assert main(["plot", str(run), "--out", str(tmp_path)]) == 1
+    assert "is a folder (expected an image file name" in capsys.readouterr().err
+
+    import gptforge.report.summary
+
+    def read_only(path, data):
+        raise GptforgeError(f"cannot write {path}: Read-only file system")
+
+    monkeypatch.setattr(gptforge.report.summary, "atomic_write", read_only)
+    assert main(["report", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert "| steps | 1 |" in out
+    assert (
+        err.strip()
+        == f"gptforge report: warning: report.md not written: cannot write {run}/report.md: Read-only file system"
+    )

@@ -81,6 +81,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tupl
     fig.suptitle(" vs ".join(d.name for d, _ in runs))
     fig.tight_layout()
     out = Path(out) if out else runs[0][0] / "loss.png"
+    if out.is_dir():
+        raise GptforgeError(f"--out {out}: is a folder (expected an image file name such as loss.png)")
     kind = out.suffix[1:].lower() or "png"
     if kind not in fig.canvas.get_supported_filetypes():
         raise GptforgeError(f"--out {out}: unknown image format {kind!r} (expected .png, .pdf, .svg, ...)")

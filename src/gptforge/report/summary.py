@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from pathlib import Path
 
+from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write
 from gptforge.rundir import CONFIG, finite, format_duration, read_metrics
 
@@ -45,7 +47,10 @@ def run_report(run_dir: str | Path) -> str:
     if config.is_file():
         lines += ["", "## Config", "", "```toml", config.read_text().strip(), "```"]
     text = "\n".join(lines) + "\n"
-    atomic_write(run_dir / "report.md", text)
+    try:
+        atomic_write(run_dir / "report.md", text)
+    except GptforgeError as e:  # a read-only run folder still gets its report printed
+        warnings.warn(f"report.md not written: {e}", stacklevel=2)
     return text
 
 

@@ -12,8 +12,8 @@ from gptforge.runtime.allocator import keep_freed_memory
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """auto picks cuda, then mps, then cpu."""
+def resolve_device(name: str = "auto", flag: str = "train.device") -> torch.device:
+    """auto picks cuda, then mps, then cpu; errors name `flag`, where the value came from."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -25,14 +25,14 @@ def resolve_device(name: str = "auto") -> torch.device:
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda", "mps"):
-        raise GptforgeError(f"train.device={name!r}: expected auto, cpu, cuda, cuda:N or mps")
+        raise GptforgeError(f"{flag}={name!r}: expected auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise GptforgeError(f"train.device={name!r}: CUDA is not available on this machine")
+        raise GptforgeError(f"{flag}={name!r}: CUDA is not available on this machine")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise GptforgeError(f"train.device={name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+        raise GptforgeError(f"{flag}={name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     mps = getattr(torch.backends, "mps", None)
     if device.type == "mps" and not (mps and mps.is_available()):
-        raise GptforgeError(f"train.device={name!r}: Apple MPS is not available on this machine")
+        raise GptforgeError(f"{flag}={name!r}: Apple MPS is not available on this machine")
     return device
 
 

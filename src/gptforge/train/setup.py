@@ -71,7 +71,9 @@ def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str,
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
     lr_at(0, cfg.optim, 1)  # an unknown schedule fails now, not after the first evaluation
-    return dataclasses.replace(cfg, model=model_cfg), weights
+    # An absolute data path, so config.toml and checkpoints still find the data from another working directory.
+    data_cfg = dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve()))
+    return dataclasses.replace(cfg, model=model_cfg, data=data_cfg), weights
 
 
 def grad_accumulation(cfg: Config, world: int) -> int:
