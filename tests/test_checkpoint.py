@@ -1,6 +1,7 @@
 """Checkpoint folders: crash-safe writes, RNG state."""
 
 import errno
+import os
 import subprocess
 import sys
 import time
@@ -90,3 +91,17 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]  # the partial one is gone
     assert load_checkpoint(run)[3]["step"] == 2
     assert main([*args, "--resume", "auto"]) == 0  # space freed: the run continues from step 2
+
+
+def test_checkpoint_files_get_the_usual_permissions(tmp_path):
+    from gptforge.config import Config
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model.gpt import GPTConfig
+
+    cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
+    ckpt = save_checkpoint(
+        tmp_path, 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"), {"tokens": 0, "max_steps": 1}
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in ckpt.iterdir()}["model.safetensors"] == 0o666 & ~umask

@@ -24,7 +24,7 @@ from safetensors.torch import load_model, save_model
 from gptforge.config import Config, config_from_dict, to_dict
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, write_json, writing
+from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, usual_mode, write_json, writing
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
@@ -83,6 +83,7 @@ def _write_files(
 ) -> None:
     """The files of a checkpoint, into a fresh folder that `swap_dir` then puts in place."""
     save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
+    usual_mode(tmp / "model.safetensors")
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if tokenizer.path is not None:

@@ -54,6 +54,14 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def usual_mode(path: Path) -> Path:
+    """Give a file the permissions `open` would (safetensors creates its files readable by the owner only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
+
+
 def write_json(path: str | Path, value: Any) -> Path:
     return atomic_write(path, to_json(value, indent=2))
 

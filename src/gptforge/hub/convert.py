@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from gptforge.config import Config, validate
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import building_dir, read_text, write_json
+from gptforge.files import building_dir, read_text, usual_mode, write_json
 from gptforge.model.gpt import GPT, GPTConfig
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -164,6 +164,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
         write_json(tmp / "config.json", hf_config(cfg, tokenizer.eot))
         write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot, "eos_token_id": tokenizer.eot})
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
+        usual_mode(tmp / "model.safetensors")
         write_tokenizer_files(tokenizer, tmp, cfg.block_size)
     return out
 
