@@ -89,6 +89,12 @@ def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     write_json(data_dir / MANIFEST, manifest)
 
 
+def fingerprint(manifest: dict[str, Any]) -> str:
+    """What identifies a prepared corpus's content: its shards' names, sizes and checksums, hashed."""
+    shards = [(s["file"], s.get("tokens"), s.get("sha256")) for s in manifest["shards"]]
+    return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+
+
 _verified: set[tuple[str, int, int, int, str]] = set()
 """Shards whose checksum this process has checked: (path, inode, size, mtime, sha256), so each is hashed once."""
 

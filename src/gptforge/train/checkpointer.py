@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from gptforge.checkpoint import (
@@ -16,6 +17,7 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import Config, config_from_dict, load_config, to_dict
 from gptforge.data.prefetch import Prefetcher
+from gptforge.data.shards import fingerprint, read_manifest
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import LOCK, check_output_dir, is_empty_dir
@@ -30,6 +32,7 @@ from gptforge.train.state import TrainState
 class Checkpointer:
     def __init__(self, run_dir: Path, cfg: Config, tokenizer: Tokenizer, setup: TrainSetup, env: DistEnv) -> None:
         self.run_dir, self.cfg, self.tokenizer, self.setup, self.env = run_dir, cfg, tokenizer, setup, env
+        self.data = fingerprint(read_manifest(cfg.data.path))
         self.last_good: Path | None = None
         """The newest checkpoint this run saved or resumed from."""
 
@@ -41,6 +44,7 @@ class Checkpointer:
         prune old checkpoints and push an export when the config asks."""
         s, ckpt = self.setup, self.cfg.checkpoint
         extra = {**state.state_dict(), "loader": batches.state_dict(), "scaler": s.scaler.state_dict()}
+        extra["data"] = self.data
         path = save_checkpoint(
             self.run_dir, state.step, s.model, s.optimizer, self.cfg, self.tokenizer, extra, self.env
         )
@@ -62,6 +66,12 @@ class Checkpointer:
         before = config_from_dict(read_meta(ckpt)["config"])
         changes = config_changes(before, self.cfg)  # refuses a new model shape before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
+        if meta.get("data", self.data) != self.data:
+            warnings.warn(
+                f"the data in {self.cfg.data.path} is not what {ckpt} trained on (its shards differ): "
+                "the saved data position now points into other text",
+                stacklevel=2,
+            )
         loader.load_state_dict(meta["loader"])
         state.load_state_dict(meta)
         if meta.get("scaler"):
