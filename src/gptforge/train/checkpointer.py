@@ -20,11 +20,8 @@ from gptforge.data.prefetch import Prefetcher
 from gptforge.data.shards import fingerprint, read_manifest
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import LOCK, check_output_dir, is_empty_dir
 from gptforge.hub.publish import export_and_push
-from gptforge.rundir import CONFIG, METRICS, SAMPLES
 from gptforge.runtime.distributed import DistEnv, print0
-from gptforge.train.metrics import WANDB_ID
 from gptforge.train.setup import TrainSetup, check_resume_tokenizer
 from gptforge.train.state import TrainState
 
@@ -105,27 +102,6 @@ def find_resume(run_dir: Path, resume: str | None) -> Path | None:
     if not resume or (resume == "auto" and not checkpoints(run_dir)):
         return None
     return resolve_checkpoint(run_dir if resume == "auto" else resume, for_training=True)
-
-
-# What a run folder holds before its first checkpoint: a folder of only these is an attempt that never saved.
-RUN_FILES = {CONFIG, METRICS, SAMPLES, "checkpoints", "tensorboard", "wandb", WANDB_ID, LOCK}
-
-
-def claim_run_dir(run_dir: Path, resume_from: Path | None, data_path: str) -> None:
-    """Refuse to start in a folder that holds other files: continuing a run needs --resume, a checkpoint of
-    another run resumes only into an empty folder (two runs' files never mix), and never into the data."""
-    check_output_dir(run_dir, force=True, reads=[data_path])
-    if is_empty_dir(run_dir):
-        return
-    if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
-        return
-    if resume_from is None and not checkpoints(run_dir) and {p.name for p in run_dir.iterdir()} <= RUN_FILES:
-        return  # an earlier attempt stopped before its first checkpoint: start over, its log lines are superseded
-    raise GptforgeError(
-        f"--out {run_dir}: already holds a run; continue it with --resume auto, or pick another --out"
-        if resume_from is None
-        else f"--out {run_dir}: already holds a run; resume {resume_from} into an empty or new folder"
-    )
 
 
 def resume_config(run_dir: Path, resume: str, overrides: list[str]) -> Config:

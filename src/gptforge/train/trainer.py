@@ -21,7 +21,8 @@ from gptforge.files import atomic_write, locked
 from gptforge.rundir import CONFIG, METRICS, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import resolve_device
-from gptforge.train.checkpointer import Checkpointer, claim_run_dir, find_resume
+from gptforge.train.checkpointer import Checkpointer, find_resume
+from gptforge.train.claim import claim_run_dir
 from gptforge.train.evaluator import Evaluator
 from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.optim import lr_at, set_lr
