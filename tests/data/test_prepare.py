@@ -342,3 +342,13 @@ def test_cli_refusals_are_one_line(tmp_path):
         and err == f"gptforge prepare: error: {out}: in use by another gptforge prepare (pid {os.getpid()}); {WAIT}"
     )
     assert run("--seed", "3", "--force")[0] == 0 and read_manifest(out)["seed"] == 3
+
+
+def test_a_tokenizer_file_inside_out_is_refused_even_with_force(tmp_path):
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    prepare(str(src), tmp_path / "bpe", val_fraction=0, workers=1, train_tokenizer=300)
+    out.mkdir()
+    (out / "mine.json").write_bytes((tmp_path / "bpe" / "tokenizer.json").read_bytes())
+    with pytest.raises(GptforgeError, match=r"^--out .*out: contains .*mine.json, which this command reads; write"):
+        prepare(str(src), out, tokenizer=str(out / "mine.json"), val_fraction=0, workers=1, force=True)
+    assert [p.name for p in out.iterdir()] == ["mine.json"]

@@ -221,7 +221,8 @@ def prepare(
     out = Path(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = (out / MANIFEST).is_file() or (out / PROGRESS).is_file()
-    check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate])
+    tokenizer_file = [] if train_tokenizer is not None or tokenizer == "gpt2" else [tokenizer]
+    check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate, *tokenizer_file])
     settings = {
         "source": source,
         "text_field": text_field,
