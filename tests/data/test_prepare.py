@@ -352,3 +352,45 @@ def test_a_tokenizer_file_inside_out_is_refused_even_with_force(tmp_path):
     with pytest.raises(GptforgeError, match=r"^--out .*out: contains .*mine.json, which this command reads; write"):
         prepare(str(src), out, tokenizer=str(out / "mine.json"), val_fraction=0, workers=1, force=True)
     assert [p.name for p in out.iterdir()] == ["mine.json"]
+
+
+def test_a_finished_folder_that_cannot_be_locked_is_still_reported_prepared(tmp_path, monkeypatch, capsys):
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    first = prepare(str(src), out, val_fraction=0, workers=1)
+    capsys.readouterr()
+
+    def read_only(folder, what):  # as on a read-only folder (tests run as root, where chmod does not stop writes)
+        raise PermissionError(13, "Permission denied", str(folder / ".lock"))
+
+    monkeypatch.setattr(prep, "locked", read_only)
+    assert prepare(str(src), out, val_fraction=0, workers=1) == first
+    assert capsys.readouterr().out == f"{out}: already prepared with these settings\n"
+    with pytest.raises(GptforgeError, match=rf"^cannot write {out}: Permission denied; fix that"):
+        prepare(str(src), out, val_fraction=0, seed=1, workers=1, force=True)  # other settings still need the lock
+
+
+def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(tmp_path, monkeypatch):
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    stale = [".progress.json.tmp.4242", ".manifest.json.tmp.17", ".tokenizer.json.tmp.5", ".train_000000.bin.tmp.9"]
+
+    def crash(*args):
+        raise KeyboardInterrupt  # killed mid-run, after writing progress.json
+
+    monkeypatch.setattr(prep, "_tokenize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(src), out, val_fraction=0, workers=1)
+    monkeypatch.undo()
+    for name in [*stale, ".notes.txt.tmp.1"]:
+        (out / name).write_text("torn")
+    manifest = prepare(str(src), out, val_fraction=0, workers=1)  # resumes, then finishes
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".lock", ".notes.txt.tmp.1", "manifest.json", *(s["file"] for s in manifest["shards"])]
+    )
+    for name in stale:  # a kill -9 after the manifest, mid-write of one of these
+        (out / name).write_text("torn")
+    assert prepare(str(src), out, val_fraction=0, workers=1) == manifest
+    assert not any((out / name).exists() for name in stale) and (out / ".notes.txt.tmp.1").exists()

@@ -9,10 +9,12 @@ swapped in once complete.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing as mp
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +53,9 @@ SETTING_FLAGS = {
 }
 # Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
+# The temp files atomic_write leaves when killed mid-write (`.NAME.tmp.PID`), for the files prepare writes.
+OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE)))
+STALE_TEMP = re.compile(rf"\.({OWN_FILES}|(train|val)_\d+\.bin)\.tmp\.\d+")
 _worker: dict[str, Any] = {}
 
 
@@ -232,13 +237,14 @@ def prepare(
         "tokenizer": f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
         "decontaminate": sorted(str(p) for p in decontaminate),
     }
+    done = _read_json(out / MANIFEST)
+    if done is not None and done.get("settings") == settings and not force:
+        return _already_prepared(out, done)  # decided reading only, so a finished read-only folder works
     try:
         with locked(out, "prepare"):
             folder = _destination(out, settings, force)
-            if folder is None:
-                print(f"{out}: already prepared with these settings", flush=True)
-                (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
-                return _read_json(out / MANIFEST)
+            if folder is None:  # another prepare finished it since the check above
+                return _already_prepared(out, _read_json(out / MANIFEST))
             manifest = _build(docs, folder, settings, train_tokenizer, decontaminate, workers)
             if folder != out:
                 swap_dir(folder, out.resolve())
@@ -249,6 +255,23 @@ def prepare(
         raise GptforgeError(
             f"cannot write {out}: {e.strerror}; fix that and run the same command again (it resumes)"
         ) from None
+
+
+def _already_prepared(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Say so and return `manifest`, tidying what a killed run left if the folder can be written and locked."""
+    print(f"{out}: already prepared with these settings", flush=True)
+    with contextlib.suppress(OSError, GptforgeError), locked(out, "prepare"):  # read-only, or in use: leave it
+        (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
+        _remove_stale_temps(out)
+    return manifest
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete the temp files of prepare's own files that a kill -9 mid-write left; only with the lock held, so
+    no other prepare is writing them."""
+    for path in folder.iterdir():
+        if STALE_TEMP.fullmatch(path.name):
+            path.unlink(missing_ok=True)
 
 
 def _check_flags(
@@ -310,6 +333,7 @@ def _build(
     workers: int | None,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
+    _remove_stale_temps(out)
     progress = _read_json(out / PROGRESS)
     resuming = progress is not None and progress.get("settings") == settings
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
