@@ -209,7 +209,7 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the corpus")
     s.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     s.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
-    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default and most: one per CPU)")
     s.add_argument("--text-field", help="JSONL/parquet/dataset field holding the text (default: text)")
     s.add_argument(
         "--decontaminate",

@@ -15,6 +15,8 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -124,6 +126,8 @@ class ShardWriter:
 
 
 def _init_worker(tokenizer_spec: str, ngrams: frozenset[int]) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone stops the run, not a traceback from each worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker["tok"] = load_tokenizer(tokenizer_spec)
     _worker["ngrams"] = ngrams
 
@@ -409,7 +413,7 @@ def _tokenize(
     spec = str(tok.path) if tok.path else tok.name
     source = settings["source"]
     bar = tqdm(total=source_bytes(source), desc=f"prepare {source}", unit="B", unit_scale=True, disable=None)
-    with mp.get_context("spawn").Pool(workers or os.cpu_count() or 1, _init_worker, (spec, ngrams)) as pool:
+    with _start_pool(_worker_count(workers), spec, ngrams) as pool:
         for batch, tokens in pool.imap(_encode, _batched(jobs())):
             offset = 0
             for index, split, n_tokens, n_bytes in batch:
@@ -427,6 +431,36 @@ def _tokenize(
     for w in writers.values():
         w.flush()
     return dropped
+
+
+def _cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one: taskset, containers)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _worker_count(workers: int | None) -> int:
+    """--workers, at most one per CPU (default: one per CPU): more only compete for the same cores."""
+    cpus = _cpu_count()
+    if workers is not None and workers > cpus:
+        print(f"using {cpus} workers: this machine has {cpus} CPUs", flush=True)
+        return cpus
+    return workers or cpus
+
+
+def _start_pool(processes: int, spec: str, ngrams: frozenset[int]) -> Any:
+    """A spawn pool of tokenizer workers that ignore Ctrl-C: the parent alone stops the run, ending them."""
+    # Spawned while SIGINT is ignored here, the workers start out ignoring it (an ignored signal stays ignored
+    # across exec, and Python leaves it so), so a Ctrl-C during their imports, before the initializer runs, cannot
+    # kill one with a traceback. A Ctrl-C in the milliseconds this takes is lost; signal.signal needs the main thread.
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        return mp.get_context("spawn").Pool(processes, _init_worker, (spec, ngrams))
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
 
 
 def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
