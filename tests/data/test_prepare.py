@@ -342,3 +342,131 @@ def test_cli_refusals_are_one_line(tmp_path):
         and err == f"gptforge prepare: error: {out}: in use by another gptforge prepare (pid {os.getpid()}); {WAIT}"
     )
     assert run("--seed", "3", "--force")[0] == 0 and read_manifest(out)["seed"] == 3
+
+
+# Run in a subprocess: the real CLI, with a source that never ends so Ctrl-C always lands mid-run.
+ENDLESS_PREPARE = """
+import itertools, sys, time
+import gptforge.data.prepare as prep
+from gptforge.cli import main
+
+def endless(source, field):
+    for i in itertools.count():
+        time.sleep(0.002)
+        yield f"doc{i}", f"document {i} " * 50
+
+prep.documents, prep.BATCH_DOCS = endless, 8
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _shards_saved(out):
+    try:
+        return len(json.loads((out / "progress.json").read_text())["shards"])
+    except (OSError, ValueError, KeyError):  # not written yet
+        return 0
+
+
+def test_ctrl_c_stops_the_workers_quietly_and_leaves_a_resumable_folder(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    args = ["prepare", src, "--out", out, "--workers", "2", "--val-fraction", "0", "--shard-tokens", "2000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENDLESS_PREPARE, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's Ctrl-C signals the whole foreground one
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while _shards_saved(out) < 5:  # both workers have returned batches by then
+            if proc.poll() is not None:
+                pytest.fail(f"prepare ended early: {proc.stderr.read()}")
+            assert time.monotonic() < deadline, "no shards saved within 60 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err and err.endswith("interrupted\n"), err
+    assert json.loads((out / "progress.json").read_text())["shards"]  # what a re-run resumes from
+
+
+def test_workers_are_capped_at_the_cpu_count(tmp_path, monkeypatch, capsys):
+    import gptforge.data.prepare as prep
+
+    ctx, sizes = prep.mp.get_context("spawn"), []
+    real_pool = ctx.Pool
+
+    def pool(processes, *args):
+        sizes.append(processes)
+        return real_pool(processes, *args)
+
+    monkeypatch.setattr(ctx, "Pool", pool)
+    monkeypatch.setattr(prep, "_cpu_count", lambda: 1)
+    prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", val_fraction=0, workers=500)
+    assert sizes == [1] and "using 1 workers: this machine has 1 CPUs\n" in capsys.readouterr().out
+    monkeypatch.setattr(prep, "_cpu_count", lambda: 2)
+    assert [prep._worker_count(n) for n in (None, 1, 2)] == [2, 1, 2]
+    assert "using" not in capsys.readouterr().out
+    assert prep._worker_count(3) == 2 and capsys.readouterr().out == "using 2 workers: this machine has 2 CPUs\n"
+
+
+def test_a_tokenizer_file_inside_out_is_refused_even_with_force(tmp_path):
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    prepare(str(src), tmp_path / "bpe", val_fraction=0, workers=1, train_tokenizer=300)
+    out.mkdir()
+    (out / "mine.json").write_bytes((tmp_path / "bpe" / "tokenizer.json").read_bytes())
+    with pytest.raises(GptforgeError, match=r"^--out .*out: contains .*mine.json, which this command reads; write"):
+        prepare(str(src), out, tokenizer=str(out / "mine.json"), val_fraction=0, workers=1, force=True)
+    assert [p.name for p in out.iterdir()] == ["mine.json"]
+
+
+def test_a_finished_folder_that_cannot_be_locked_is_still_reported_prepared(tmp_path, monkeypatch, capsys):
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    first = prepare(str(src), out, val_fraction=0, workers=1)
+    capsys.readouterr()
+
+    def read_only(folder, what):  # as on a read-only folder (tests run as root, where chmod does not stop writes)
+        raise PermissionError(13, "Permission denied", str(folder / ".lock"))
+
+    monkeypatch.setattr(prep, "locked", read_only)
+    assert prepare(str(src), out, val_fraction=0, workers=1) == first
+    assert capsys.readouterr().out == f"{out}: already prepared with these settings\n"
+    with pytest.raises(GptforgeError, match=rf"^cannot write {out}: Permission denied; fix that"):
+        prepare(str(src), out, val_fraction=0, seed=1, workers=1, force=True)  # other settings still need the lock
+
+
+def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(tmp_path, monkeypatch):
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    stale = [".progress.json.tmp.4242", ".manifest.json.tmp.17", ".tokenizer.json.tmp.5", ".train_000000.bin.tmp.9"]
+
+    def crash(*args):
+        raise KeyboardInterrupt  # killed mid-run, after writing progress.json
+
+    monkeypatch.setattr(prep, "_tokenize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(src), out, val_fraction=0, workers=1)
+    monkeypatch.undo()
+    for name in [*stale, ".notes.txt.tmp.1"]:
+        (out / name).write_text("torn")
+    manifest = prepare(str(src), out, val_fraction=0, workers=1)  # resumes, then finishes
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".lock", ".notes.txt.tmp.1", "manifest.json", *(s["file"] for s in manifest["shards"])]
+    )
+    for name in stale:  # a kill -9 after the manifest, mid-write of one of these
+        (out / name).write_text("torn")
+    assert prepare(str(src), out, val_fraction=0, workers=1) == manifest
+    assert not any((out / name).exists() for name in stale) and (out / ".notes.txt.tmp.1").exists()

