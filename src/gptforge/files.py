@@ -13,6 +13,7 @@ import gzip
 import json
 import math
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Iterable, Iterator
@@ -25,7 +26,7 @@ from gptforge.errors import GptforgeError, first_detail
 def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryview]) -> Path:
     """Write to a temp file beside `path`, fsync, then rename: readers see the old file or the new one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")  # one writer per process; see stale_temp_files
     chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     try:
         with writing(path), open(tmp, "wb") as f:
@@ -60,6 +61,12 @@ def usual_mode(path: Path) -> Path:
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
     return path
+
+
+def stale_temp_files(folder: Path, names: str) -> list[Path]:
+    """The temp files a killed `atomic_write` left in `folder` for files whose names match the regex `names`."""
+    pattern = re.compile(rf"\.({names})\.tmp\.\d+")
+    return [p for p in folder.iterdir() if pattern.fullmatch(p.name)]
 
 
 def write_json(path: str | Path, value: Any) -> Path:

@@ -36,6 +36,7 @@ from gptforge.files import (
     check_output_dir,
     is_empty_dir,
     locked,
+    stale_temp_files,
     swap_dir,
     temp_dir_for,
     temp_dir_path,
@@ -55,9 +56,8 @@ SETTING_FLAGS = {
 }
 # Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
-# The temp files atomic_write leaves when killed mid-write (`.NAME.tmp.PID`), for the files prepare writes.
-OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE)))
-STALE_TEMP = re.compile(rf"\.({OWN_FILES}|(train|val)_\d+\.bin)\.tmp\.\d+")
+# The files prepare writes (atomic_write leaves a temp file of one when killed mid-write).
+OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE))) + r"|(train|val)_\d+\.bin"
 _worker: dict[str, Any] = {}
 
 
@@ -273,9 +273,8 @@ def _already_prepared(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 def _remove_stale_temps(folder: Path) -> None:
     """Delete the temp files of prepare's own files that a kill -9 mid-write left; only with the lock held, so
     no other prepare is writing them."""
-    for path in folder.iterdir():
-        if STALE_TEMP.fullmatch(path.name):
-            path.unlink(missing_ok=True)
+    for path in stale_temp_files(folder, OWN_FILES):
+        path.unlink(missing_ok=True)
 
 
 def _check_flags(
