@@ -141,3 +141,14 @@ def test_an_error_mid_sample_starts_on_its_own_line(monkeypatch, capsys):
     assert main(["sample", "ckpt"]) == 1
     out, err = capsys.readouterr()
     assert out == "--- sample 0\nhi\n" and err.startswith("gptforge sample: error: the model's next-token")
+
+
+def test_a_reader_that_goes_away_ends_quietly(monkeypatch, capsys):
+    import gptforge.report.summary
+
+    def pipe_closed(run_dir):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(gptforge.report.summary, "run_report", pipe_closed)
+    assert main(["report", "runs/x"]) == 141
+    assert capsys.readouterr().err == ""

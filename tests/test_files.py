@@ -1,7 +1,9 @@
 """files.py: writes are all-or-nothing, folders are replaced only by complete ones, JSONL errors name file:line."""
 
+import errno
 import gzip
 import os
+from pathlib import Path
 
 import pytest
 from tests.helpers import lock_held_elsewhere
@@ -139,3 +141,12 @@ def test_a_locked_folder_names_its_holder_and_is_released_by_kill_9(tmp_path):
             pass
     with locked(tmp_path, "train"):  # nothing stale after a kill -9
         assert (tmp_path / LOCK).read_text() == f"{os.getpid()} train\n"
+
+
+def test_a_write_into_a_read_only_folder_is_one_gptforge_error(tmp_path, monkeypatch):
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)  # on a read-only mount even removing the temp file fails
+    with pytest.raises(GptforgeError, match=r"cannot write .*a\.json: No such file or directory"):
+        atomic_write(tmp_path / "missing" / "a.json", "x")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
+import os
 import sys
 import traceback
 import warnings
@@ -340,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say to it
+        with contextlib.suppress(OSError, ValueError):  # so the interpreter's final flush has nowhere to fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
     except OSError as e:  # disk full, permissions, a vanished file: what to fix is outside gptforge
         where = f"{e.filename}: " if e.filename else ""
         return _fail(args.command, f"{where}{e.strerror or e} (check the disk space and permissions there)")

@@ -36,7 +36,8 @@ def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryvi
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder refuses even this; the write's error stands
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -130,7 +131,8 @@ def writing(target: Path) -> Iterator[None]:
     except (GptforgeError, KeyboardInterrupt):
         raise
     except OSError as e:
-        raise GptforgeError(f"cannot write {e.filename or target}: {e.strerror or e}") from None
+        where = e.filename if e.filename and ".tmp" not in str(e.filename) else target  # not our temp names
+        raise GptforgeError(f"cannot write {where}: {e.strerror or e}") from None
     except Exception as e:
         if not _disk_full(target, e):
             raise

@@ -167,7 +167,7 @@ def test_a_run_never_starts_in_the_data_or_among_other_files_but_retries_a_faile
     home = tmp_path / "home"
     home.mkdir()
     (home / "notes.txt").write_text("mine")
-    with pytest.raises(GptforgeError, match="already holds a run"):
+    with pytest.raises(GptforgeError, match=r"holds files that are not a run's \(notes.txt...\); pick a new folder"):
         train(tiny(data_dir, "train.max_steps=1"), home, resume="auto")
     assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]  # not even a lock file was left
 

@@ -7,6 +7,7 @@ Parameter names are otherwise the same, and the vocabulary padding never leaves 
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -186,6 +187,8 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
         weights = read_hf_weights(hf_dir)
     except GptforgeError:
         raise
+    except pickle.UnpicklingError:  # torch's text suggests loading untrusted pickles: not advice to pass on
+        raise GptforgeError(f"{hf_dir}/pytorch_model.bin: unreadable weights (not a PyTorch weights file)") from None
     except Exception as e:  # noqa: BLE001 - safetensors and torch.load raise their own types for a damaged file
         raise GptforgeError(f"{hf_dir}: unreadable weights ({type(e).__name__}: {first_detail(e)})") from None
     try:

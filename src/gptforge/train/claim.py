@@ -24,8 +24,13 @@ def claim_run_dir(run_dir: Path, resume_from: Path | None, data_path: str) -> No
         return
     if resume_from is None and not checkpoints(run_dir) and {p.name for p in run_dir.iterdir()} <= RUN_FILES:
         return  # an earlier attempt stopped before its first checkpoint: start over, its log lines are superseded
+    if resume_from is not None:
+        raise GptforgeError(f"--out {run_dir}: already holds a run; resume {resume_from} into an empty or new folder")
+    if checkpoints(run_dir):
+        raise GptforgeError(
+            f"--out {run_dir}: already holds a run; continue it with --resume auto, or pick another --out"
+        )
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES)
     raise GptforgeError(
-        f"--out {run_dir}: already holds a run; continue it with --resume auto, or pick another --out"
-        if resume_from is None
-        else f"--out {run_dir}: already holds a run; resume {resume_from} into an empty or new folder"
+        f"--out {run_dir}: holds files that are not a run's ({', '.join(others[:3])}...); pick a new folder"
     )
