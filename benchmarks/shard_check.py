@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gptforge.data import shards
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import write_manifest, write_shard
 
@@ -34,6 +35,7 @@ def make(root: Path, tokens: int, checksums: bool) -> None:
 
 
 def run(root: Path) -> tuple[float, float, float]:
+    shards._verified.clear()  # each run hashes afresh, as a new training process does
     t0 = time.perf_counter()
     loader = TokenLoader(root, "train", 64, 1024, seed=0)
     loader.next_batch()
