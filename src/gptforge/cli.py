@@ -235,7 +235,11 @@ def _add_data_commands(sub) -> None:
         "--config", help="preset name or .toml path (default: demo-cpu; with --resume: the checkpoint's config)"
     )
     s.add_argument("--data", help="prepared data folder (sets data.path)")
-    s.add_argument("--out", default="runs/train", help="run folder (default: runs/train): new or empty, or this run's with --resume")
+    s.add_argument(
+        "--out",
+        default="runs/train",
+        help="run folder (default: runs/train): new or empty, or this run's with --resume",
+    )
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
     s.add_argument(
         "--resume",
