@@ -17,19 +17,18 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import Config, config_from_dict, load_config, to_dict
 from gptforge.data.prefetch import Prefetcher
-from gptforge.data.shards import fingerprint, read_manifest
-from gptforge.data.tokenizer import Tokenizer
+from gptforge.data.shards import fingerprint
 from gptforge.errors import GptforgeError
 from gptforge.hub.publish import export_and_push
 from gptforge.runtime.distributed import DistEnv, print0
-from gptforge.train.setup import TrainSetup, check_resume_tokenizer
+from gptforge.train.setup import Data, TrainSetup, check_resume_tokenizer
 from gptforge.train.state import TrainState
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, cfg: Config, tokenizer: Tokenizer, setup: TrainSetup, env: DistEnv) -> None:
-        self.run_dir, self.cfg, self.tokenizer, self.setup, self.env = run_dir, cfg, tokenizer, setup, env
-        self.data = fingerprint(read_manifest(cfg.data.path))
+    def __init__(self, run_dir: Path, cfg: Config, data: Data, setup: TrainSetup, env: DistEnv) -> None:
+        self.run_dir, self.cfg, self.tokenizer, self.setup, self.env = run_dir, cfg, data.tokenizer, setup, env
+        self.data = fingerprint(data.manifest)  # what a resume compares against (the data may change under a run)
         self.last_good: Path | None = None
         """The newest checkpoint this run saved or resumed from."""
 

@@ -70,7 +70,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
     loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
     state = TrainState(max_steps=cfg.train.max_steps)
-    checkpointer = Checkpointer(run_dir, cfg, data.tokenizer, s, env)
+    checkpointer = Checkpointer(run_dir, cfg, data, s, env)
     changes = checkpointer.restore(resume_from, state, loader) if resume_from else []
     restarting = (run_dir / METRICS).is_file()
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
