@@ -61,6 +61,13 @@ class OptimConfig:
     """cosine (warm-up, cosine decay to min), wsd (warm-up, stable, linear decay to min), or constant."""
     decay_fraction: float = 0.2
     """For wsd: the share of the steps spent decaying at the end."""
+    optimizer: str = "adamw"
+    """adamw (GPT-3), or muon: Muon for the blocks' 2-D matrices, AdamW (lr, betas, eps above) for embeddings,
+    lm_head, gains and biases. Muon needs torch >= 2.9."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (the schedule scales it with lr)."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
 
 
 @dataclass
@@ -219,6 +226,11 @@ RULES: dict[str, tuple[Any, str]] = {
     "model.vocab_multiple": _at_least(1),
     "model.dropout": _within(0, 1),
     "model.layer_norm_eps": _POSITIVE,
+    "model.norm": _one_of("layernorm", "rmsnorm"),
+    "model.position": _one_of("learned", "rotary"),
+    "model.rope_theta": _POSITIVE,
+    "model.mlp": _one_of("gelu", "swiglu", "relu2"),
+    "model.mlp_hidden": _at_least(0),
     "optim.lr": _POSITIVE,
     "optim.min_lr_ratio": _within(0, 1, high_ok=True),
     "optim.warmup_steps": _at_least(0),
@@ -229,6 +241,9 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.grad_clip": _at_least(0),
     "optim.schedule": _one_of("cosine", "wsd", "constant"),
     "optim.decay_fraction": _within(0, 1, high_ok=True),
+    "optim.optimizer": _one_of("adamw", "muon"),
+    "optim.muon_lr": _POSITIVE,
+    "optim.muon_momentum": _within(0, 1),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _at_least(1),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),
