@@ -19,6 +19,7 @@ LAYERS = [
     {"train"},
     {"bench", "sample", "report"},
     {"demo"},
+    {"speedrun"},
     {"cli"},
     {"__main__"},
 ]

@@ -151,6 +151,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args.out, args.data, args.time_budget, args.set, args.force)
 
 
+def cmd_speedrun(args: argparse.Namespace) -> None:
+    from gptforge.speedrun import format_summary, speedrun
+
+    recipes = {"gpt2": args.gpt2_config, "modern": args.modern_config}
+    summary = speedrun(args.out, args.budget, args.seeds, args.data, recipes, args.set, args.force)
+    print(to_json(summary) if args.json else format_summary(summary))
+
+
 def _ks(text: str) -> tuple[int, ...]:
     """--k 1,10 -> (1, 10)."""
     try:
@@ -322,6 +330,18 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("report", help="markdown summary of a run (printed and written to RUN_DIR/report.md)")
     s.add_argument("run_dir")
     s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("speedrun", help="time to quality: the GPT-2 recipe against the modern one, same budget")
+    s.add_argument("--budget", type=_at_least(1.0, float), default=120.0, help="seconds per run (default 120)")
+    s.add_argument("--seeds", type=_at_least(1), default=2, help="runs per recipe, seeds preset+0.. (default 2)")
+    s.add_argument("--data", default=None, help="prepared corpus folder (default: the demo's, data/stdlib)")
+    s.add_argument("--out", default="runs/speedrun", help="folder for the runs, plot and JSON (default: runs/speedrun)")
+    s.add_argument("--gpt2-config", default="demo-cpu", help="the baseline recipe's preset (default: demo-cpu)")
+    s.add_argument("--modern-config", default="modern-cpu", help="the modern recipe's preset (default: modern-cpu)")
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, both recipes")
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_speedrun)
 
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")

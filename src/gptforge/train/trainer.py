@@ -122,7 +122,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
                 f"lr {lr:.2e} | norm {norm_value:.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
                 f"MFU {mfu:.1%} | ETA {'calibrating' if calibrating else format_duration(eta)}",
             )
-        if state.step < state.max_steps and evaluate.due(state.step):
+        if state.step < state.max_steps and evaluate.due(state.step, state.max_steps):
             last_val = evaluate(state.step)
         if state.step < state.max_steps and checkpointer.due(state.step):
             checkpointer.save(state, batches)
