@@ -51,13 +51,16 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.config import describe, load_config
+    from gptforge.runtime.distributed import launcher_overrides
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.trainer import train
 
     if args.help_config:
         print(describe())
         return
-    overrides = [*args.set, *([f"data.path={args.data}"] if args.data else [])]
+    overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
+    if note and os.environ.get("RANK", "0") == "0":  # one line however many processes the launcher started
+        print(note, flush=True)
     if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
         cfg = resume_config(Path(args.out), args.resume, overrides)
     else:

@@ -10,7 +10,7 @@ import datetime
 import os
 import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,7 @@ def init(device_name: str, timeout: float) -> tuple[DistEnv, str]:
     `timeout` seconds; returns the env and this rank's device: cuda:LOCAL_RANK (nccl), else the requested (gloo)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
+        check_single_process(os.environ)
         return DistEnv(), device_name
     env = DistEnv(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)
     use_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
@@ -55,6 +56,39 @@ def init(device_name: str, timeout: float) -> tuple[DistEnv, str]:
     if dist.get_world_size() != world:
         raise GptforgeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} processes")
     return env, device_name
+
+
+def check_single_process(environ: Mapping[str, str]) -> None:
+    """Refuse a world of one where `accelerate launch` was asked for more: its plain launcher (`--cpu`, or one GPU)
+    starts ONE process whatever `--num_processes` says (for mpirun to multiply), and sets MASTER_ADDR only then."""
+    if "ACCELERATE_USE_CPU" in environ and "MASTER_ADDR" in environ:
+        raise GptforgeError(
+            "accelerate launch started 1 process, not the --num_processes/--num_machines asked for (without "
+            "--multi_gpu it starts one); use `accelerate launch --multi_gpu --num_processes N` (gloo on CPUs) or "
+            "`torchrun --nproc_per_node N`"
+        )
+
+
+# `accelerate launch --mixed_precision` (ACCELERATE_MIXED_PRECISION, "no" unless given) as train.dtype.
+ACCELERATE_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def launcher_overrides(overrides: list[str], environ: Mapping[str, str]) -> tuple[list[str], str]:
+    """`--set` overrides preceded by the train.dtype `accelerate launch --mixed_precision` asks for (so an explicit
+    `--set train.dtype` still wins), and a line saying which applies ("" outside accelerate launch)."""
+    precision = environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision is None:
+        return list(overrides), ""
+    if precision not in ACCELERATE_DTYPES:
+        raise GptforgeError(f"accelerate launch --mixed_precision {precision}: gptforge trains in no, bf16 or fp16")
+    asked = f"accelerate launch --mixed_precision {precision}"
+    explicit = [o for o in overrides if o.partition("=")[0].strip() == "train.dtype"]
+    note = (
+        f"{asked}: --set {explicit[-1]} takes precedence"
+        if explicit
+        else f"{asked}: train.dtype={ACCELERATE_DTYPES[precision]}"
+    )
+    return [f"train.dtype={ACCELERATE_DTYPES[precision]}", *overrides], note
 
 
 # How gloo (and nccl in blocking mode) word a peer that did not answer in time, and one that went away.
