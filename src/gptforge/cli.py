@@ -59,7 +59,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(describe())
         return
     overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
-    if note and os.environ.get("RANK", "0") == "0":  # one line however many processes the launcher started
+    if note:
         print(note, flush=True)
     if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
         cfg = resume_config(Path(args.out), args.resume, overrides)
