@@ -257,7 +257,7 @@ def _add_data_commands(sub) -> None:
 
 def _add_checkpoint_commands(sub) -> None:
     """eval, sample, export and import: commands that take or make a checkpoint."""
-    s = sub.add_parser("eval", help="val loss / perplexity / bits per byte, loss on any text, HellaSwag")
+    s = sub.add_parser("eval", help="val loss / perplexity / bits per byte, loss on any text, HellaSwag, lm-eval")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--data", help="prepared data folder: loss on its val split")
     s.add_argument("--text", help="a text/code file, folder or glob: loss on it, with the checkpoint's tokenizer")
