@@ -118,6 +118,8 @@ def test_launcher_overrides_map_every_accelerate_precision_and_refuse_fp8():
         assert overrides == [f"train.dtype={dtype}", "train.seed=1"] and note.endswith(f"train.dtype={dtype}")
         assert load_config("tiny", overrides).train.dtype == dtype
     assert launcher_overrides(["train.seed=1"], {}) == (["train.seed=1"], "")  # torchrun or a plain run: nothing added
+    rank1 = {"ACCELERATE_MIXED_PRECISION": "bf16", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert launcher_overrides([], rank1) == (["train.dtype=bfloat16"], "")  # said once, by rank 0
     with pytest.raises(GptforgeError, match="--mixed_precision fp8: gptforge trains in no, bf16 or fp16"):
         launcher_overrides([], {"ACCELERATE_MIXED_PRECISION": "fp8"})
 
