@@ -21,7 +21,7 @@ from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, wrap
-from gptforge.runtime.flops import peak_flops
+from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.train.optim import build_optimizer, lr_at
 
 
@@ -136,5 +136,5 @@ def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> s
         f"{threads}\n"
         f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
         f"{world} process{'es' if world > 1 else ''} x {s.grad_accum} accumulation | "
-        f"MFU against {s.peak_flops / 1e12:,.1f} TFLOP/s ({s.peak_source})"
+        f"MFU against {format_flops(s.peak_flops)} ({s.peak_source})"
     )
