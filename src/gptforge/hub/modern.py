@@ -219,6 +219,7 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
         bias=bias,
         tie_embeddings=config.get("tie_word_embeddings", False),
         mlp=ACT_TO_MLP[act],
-        mlp_hidden=config["intermediate_size"],
     )
+    if cfg.hidden_size != config["intermediate_size"]:  # 0 (the default width) when it is, as our export wrote it
+        cfg = replace(cfg, mlp_hidden=config["intermediate_size"])
     return validate(Config(model=cfg), str(where)).model
