@@ -202,3 +202,16 @@ def test_lm_eval_scores_an_exported_qwen3_folder_as_we_do(tmp_path):
     logprobs = our_logits(ours, torch.tensor([ctx + cont])).log_softmax(-1)[0, len(ctx) - 1 : -1]
     expected = logprobs.gather(-1, torch.tensor(cont)[:, None]).sum().item()
     assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_cli_export_of_a_model_without_counterpart_is_one_line_and_writes_nothing(tmp_path, capsys):
+    from gptforge.checkpoint import save_checkpoint
+    from gptforge.config import Config
+
+    model = modern_model(mlp="relu2", qk_norm=True, bias=False, tie_embeddings=False)
+    ckpt = save_checkpoint(tmp_path / "run", 1, model, None, Config(model=model.config), load_tokenizer("gpt2"))
+    capsys.readouterr()
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.mlp=relu2 with model.qk_norm=true" in err
+    assert not (tmp_path / "hf").exists()
