@@ -182,7 +182,7 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face GPT-2 model folder)")
+        raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
     try:
         config = json.loads(read_text(config_path))
         is_modern = isinstance(config, dict) and config.get("model_type") in modern.ARCHITECTURES
