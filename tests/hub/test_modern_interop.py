@@ -215,3 +215,13 @@ def test_cli_export_of_a_model_without_counterpart_is_one_line_and_writes_nothin
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.mlp=relu2 with model.qk_norm=true" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_every_shipped_preset_exports_to_a_transformers_architecture():
+    from gptforge.config import load_config, preset_names
+    from gptforge.hub import modern
+
+    for name in preset_names():
+        cfg = load_config(name).model
+        assert modern.exports_as_gpt2(cfg) or modern.model_type(cfg) in modern.ARCHITECTURES, name
+    assert modern.model_type(load_config("modern-cpu").model) == "qwen3"
