@@ -307,7 +307,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     s.set_defaults(func=cmd_sample)
 
-    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel folder")
+    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee)")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer)")
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
@@ -316,7 +316,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--force", action="store_true", help=FORCE_HELP)
     s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a gptforge checkpoint")
+    s = sub.add_parser("import", help="turn a Hugging Face GPT-2/Llama/Qwen3/Arcee folder into a gptforge checkpoint")
     s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     s.add_argument("--force", action="store_true", help=FORCE_HELP)
