@@ -41,8 +41,7 @@ def run_variant(name: str, preset: str, sets: list[str], args: argparse.Namespac
     shared = ["eval.points=1", "eval.tokens=32768", "eval.sample_tokens=0", "checkpoint.every=0", "log.every=25"]
     cfg = load_config(preset, [*sets, *length, *shared, *args.set, f"train.seed={seed}", f"data.path={args.data}"])
     run_dir = Path(args.out) / f"{name.split(',')[0].replace(' ', '-').replace('²', '2')}-seed{seed}"
-    if not (run_dir / "metrics.jsonl").is_file():
-        train(cfg, run_dir)
+    train(cfg, run_dir)
     curve = read_curve(run_dir)
     ms = [r["ms"] for r in read_metrics(run_dir)["train"][5:]]
     return {"variant": name, "seed": seed, "bpb": curve.final, "steps": curve.steps, "ms": statistics.median(ms)}

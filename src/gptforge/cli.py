@@ -153,7 +153,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from gptforge.demo import run_demo
 
-    run_demo(args.out, args.data, args.time_budget, args.set, args.force)
+    run_demo(args.out, args.data, args.time_budget, args.set, args.force, args.config)
 
 
 def cmd_speedrun(args: argparse.Namespace) -> None:
@@ -358,6 +358,7 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
+    s.add_argument("--config", default=None, help="preset (default: the demo's recipe; demo-cpu is GPT-2's)")
     s.add_argument(
         "--time-budget", type=_at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
     )

@@ -20,13 +20,22 @@ VAL_FRACTION = 0.02
 # A BPE trained on the stdlib packs 3.65 bytes/token against GPT-2's 2.06 on this code, and its small
 # output layer leaves the CPU's time to the transformer: the better model per minute (README, Results).
 VOCAB_SIZE = 8192
+# The recipe: `gptforge speedrun` compares the modern one with GPT-2's (demo-cpu) on this corpus (README, Results).
+PRESET = "demo-cpu"
 
 
-def run_demo(out: str, data: str, time_budget: float | None, overrides: list[str], force: bool = False) -> dict:
+def run_demo(
+    out: str,
+    data: str,
+    time_budget: float | None,
+    overrides: list[str],
+    force: bool = False,
+    preset: str | None = None,
+) -> dict:
     """Train into `out` (new or empty; with `force` a non-empty one is replaced once the new run is complete)."""
     out_dir, data_dir = Path(out), Path(data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
-    cfg = load_config("demo-cpu", [*overrides, *budget, f"data.path={data_dir}"])
+    cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir])
     prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
     with locked(out_dir, "demo"):
