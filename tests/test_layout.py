@@ -17,7 +17,7 @@ LAYERS = [
     {"checkpoint", "rundir"},
     {"eval", "hub"},
     {"train"},
-    {"bench", "sample", "report"},
+    {"bench", "sample", "report", "serve"},
     {"demo"},
     {"cli"},
     {"__main__"},
