@@ -7,10 +7,10 @@ import time
 
 import httpx
 import pytest
-
 from tests.helpers import cli
-from tests.serve.conftest import serving
+from tests.serve.server import serving
 
+pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 KEY = "test-key"
@@ -119,8 +119,9 @@ def test_a_bad_key_an_unknown_model_a_huge_body_and_bad_json(client, server):
 
 
 def test_a_busy_server_answers_429_and_a_client_that_leaves_frees_it(client):
-    # --queue 0: one request at a time. CAP tokens keep the tiny model busy for minutes unless stopped.
-    long = client.completions.create(model="alpha", prompt="def", max_tokens=CAP, stream=True)
+    # --queue 0: one request at a time. 4 x CAP tokens keep the tiny model busy for minutes unless stopped (seeded,
+    # so no early end-of-text either).
+    long = client.completions.create(model="alpha", prompt="def", max_tokens=CAP, n=4, seed=0, stream=True)
     assert next(iter(long)).choices  # generating now
     with pytest.raises(openai.RateLimitError) as caught:
         client.completions.create(model="alpha", prompt="def", max_tokens=1)
