@@ -28,6 +28,7 @@ def routes(engine: Engine) -> list[Route]:
         return JSONResponse({"object": "list", "data": engine.models()})
 
     async def completions(request: Request) -> Response:
+        events = None
         try:
             req = parse_completion(await _json_body(request, engine.limits.max_body_bytes), engine.limits)
             events = _events(engine, req, request)
@@ -35,6 +36,8 @@ def routes(engine: Engine) -> list[Route]:
             if first[0] == "error":
                 raise first[1]
         except ApiError as e:
+            if events is not None:
+                await events.aclose()
             return error_response(e)
         rid = f"cmpl-{secrets.token_hex(12)}"
         if req.stream:

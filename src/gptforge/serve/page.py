@@ -23,22 +23,26 @@ CURVES = {"train": ("loss", "lr", "tokens_per_s"), "val": ("loss", "bpb")}
 SHOWN_SAMPLES = 4
 
 
+class NoSuchRun(Exception):
+    """A run name that is not (or no longer) under PATH: answered 404."""
+
+
 def routes(root: Path) -> list:
     cache: dict[str, tuple[str, dict]] = {}
 
     def source(request: Request) -> Source:
         found = find_sources(root).get(request.path_params["run"])
         if found is None:
-            raise GptforgeError(f"no run named {request.path_params['run']!r} under the served folder")
+            raise NoSuchRun(f"no run named {request.path_params['run']!r} under the served folder")
         return found
 
-    async def index(request: Request) -> Response:
+    def index(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
-    async def runs(request: Request) -> Response:
+    def runs(request: Request) -> Response:
         return JSONResponse({"root": root.name, "runs": [_describe(s) for s in find_sources(root).values()]})
 
-    async def metrics(request: Request) -> Response:
+    def metrics(request: Request) -> Response:
         run = source(request)
         version = _version(run.folder / METRICS)
         if version is not None and version == request.query_params.get("version"):
@@ -50,12 +54,12 @@ def routes(root: Path) -> list:
             cache[run.name] = (version, {kind: _columns(records[kind], keys) for kind, keys in CURVES.items()})
         return JSONResponse({"version": version, **cache[run.name][1]})
 
-    async def samples(request: Request) -> Response:
+    def samples(request: Request) -> Response:
         path = source(request).folder / SAMPLES
         records = [r for _, r in read_jsonl(path, torn_tail_ok=True)] if path.is_file() else []
         return JSONResponse({"samples": records[-SHOWN_SAMPLES:][::-1]})
 
-    async def config(request: Request) -> Response:
+    def config(request: Request) -> Response:
         run = source(request)
         if run.is_checkpoint:
             return JSONResponse({"toml": to_toml(config_from_dict(read_meta(run.folder)["config"]))})
@@ -73,13 +77,17 @@ def routes(root: Path) -> list:
 
 
 def _errors(handler):
-    """A run's files that cannot be read (a bad line, a missing run) become a 404 or 422 the page shows."""
+    """A missing run is a 404, a run file that cannot be read (a bad line) a 422: messages the page shows.
+    The handlers are plain functions, which Starlette runs on its thread pool: reading a long metrics.jsonl
+    does not hold up the tokens streaming to other clients."""
 
-    async def wrapped(request: Request) -> Response:
+    def wrapped(request: Request) -> Response:
         try:
-            return await handler(request)
+            return handler(request)
+        except NoSuchRun as e:
+            return JSONResponse({"error": str(e)}, status_code=404)
         except GptforgeError as e:
-            return JSONResponse({"error": str(e)}, status_code=404 if str(e).startswith("no run named") else 422)
+            return JSONResponse({"error": str(e)}, status_code=422)
 
     return wrapped
 
