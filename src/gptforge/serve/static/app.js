@@ -3,6 +3,7 @@
 "use strict";
 
 const POLL_MS = 2000;
+const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6, 2e6, 5e6];
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
 const $ = (id) => document.getElementById(id);
 const state = { runs: [], metrics: {}, versions: {}, charts: {}, selected: null, shownVersion: null, abort: null };
@@ -30,7 +31,7 @@ function showError(message) {
 const PANELS = {
   loss: { kinds: [["train", "loss", "train"], ["val", "loss", "val"]] },
   bpb: { kinds: [["val", "bpb", "val"]] },
-  lr: { kinds: [["train", "lr", "lr"]], format: (v) => v.toExponential(1) },
+  lr: { kinds: [["train", "lr", "lr"]], format: (v) => (v === 0 ? "0" : v.toExponential(1)) },
   tps: { kinds: [["train", "tokens_per_s", "tok/s"]], format: (v) => Math.round(v).toLocaleString() },
 };
 
@@ -64,7 +65,7 @@ function drawChart(name, runs) {
   const opts = {
     width: Math.max(260, el.clientWidth), height: 220, series, legend: { live: true },
     scales: { x: { time: false } },
-    axes: [{ label: "step" }, { size: 60, values: format ? (u, vals) => vals.map(format) : undefined }],
+    axes: [{ label: "step", incrs: STEP_INCRS }, { size: 60, values: format ? (u, vals) => vals.map(format) : undefined }],
   };
   state.charts[name] = { plot: new uPlot(opts, data, el), signature };
 }
