@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import sys
 import time
 
 import pytest
@@ -123,3 +124,12 @@ def test_no_cors_unless_asked_and_no_path_outside_the_runs(runs_dir):
         assert plain.get(path).status_code == 404, path
     allowed = testclient.TestClient(build_app(runs_dir, cors=("https://elsewhere.example",)))
     assert allowed.get("/api/runs", headers=origin).headers["access-control-allow-origin"] == origin["Origin"]
+
+
+def test_without_the_serve_extra_the_command_says_how_to_get_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without .[serve] looks like to `import`
+    monkeypatch.delitem(sys.modules, "gptforge.serve.app", raising=False)
+    assert main(["serve", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        "gptforge serve: error: serve needs its extra: pip install 'gptforge[serve]' (missing uvicorn)\n"
+    )

@@ -7,6 +7,7 @@ import ipaddress
 import socket
 from pathlib import Path
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -100,8 +101,6 @@ def serve(
     dtype: str = "auto",
 ) -> None:
     """Serve until Ctrl-C; prints the address (with the port --port 0 chose) first."""
-    import uvicorn
-
     root = check_root(path)
     check_binding(host, api_key)
     sock = bind(host, port)
