@@ -1,8 +1,9 @@
 """A bounded load test of `gptforge serve`: k concurrent clients send a fixed count of completions.
 
     python benchmarks/serve.py PATH [--clients 4] [--requests 64] [--max-tokens 64] [--prompt TEXT] [--stream]
+                                    [--queue N]
 
-Starts `gptforge serve PATH` on a free port of 127.0.0.1 (its --queue large enough for every client), sends
+Starts `gptforge serve PATH` on a free port of 127.0.0.1 (its --queue: every client, unless --queue), sends
 --requests completions from --clients threads, then prints p50/p99 latency (time to the whole answer; with
 --stream, also to the first token), generated tokens/s over the whole run, how many were refused (429), and
 whether the server still answers /v1/models afterwards.
@@ -23,8 +24,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 
-def start_server(path: str, clients: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "gptforge", "serve", path, "--port", "0", "--queue", str(clients)]
+def start_server(path: str, queue: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "gptforge", "serve", path, "--port", "0", "--queue", str(queue)]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = server.stdout.readline()
     url = re.search(r"http://127\.0\.0\.1:\d+", line)
@@ -70,8 +71,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--stream", action="store_true", help="stream, and time the first token too")
+    p.add_argument("--queue", type=int, help="the server's --queue (default: --clients, so none is refused)")
     args = p.parse_args()
-    server, url = start_server(args.path, args.clients)
+    server, url = start_server(args.path, args.clients if args.queue is None else args.queue)
     try:
         model = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=60))["data"][0]["id"]
         body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 1.0}
