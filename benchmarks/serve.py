@@ -1,7 +1,7 @@
 """A bounded load test of `gptforge serve`: k concurrent clients send a fixed count of completions.
 
     python benchmarks/serve.py PATH [--clients 4] [--requests 64] [--max-tokens 64] [--prompt TEXT] [--stream]
-                                    [--queue N]
+                                    [--queue N] [--threads N]
 
 Starts `gptforge serve PATH` on a free port of 127.0.0.1 (its --queue: every client, unless --queue), sends
 --requests completions from --clients threads, then prints p50/p99 latency (time to the whole answer; with
@@ -24,8 +24,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 
-def start_server(path: str, queue: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "gptforge", "serve", path, "--port", "0", "--queue", str(queue)]
+def start_server(path: str, queue: int, flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "gptforge", "serve", path, "--port", "0", "--queue", str(queue), *flags]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = server.stdout.readline()
     url = re.search(r"http://127\.0\.0\.1:\d+", line)
@@ -72,8 +72,10 @@ def main() -> None:
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--stream", action="store_true", help="stream, and time the first token too")
     p.add_argument("--queue", type=int, help="the server's --queue (default: --clients, so none is refused)")
+    p.add_argument("--threads", help="the server's --threads")
     args = p.parse_args()
-    server, url = start_server(args.path, args.clients if args.queue is None else args.queue)
+    flags = ("--threads", args.threads) if args.threads else ()
+    server, url = start_server(args.path, args.clients if args.queue is None else args.queue, flags)
     try:
         model = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=60))["data"][0]["id"]
         body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 1.0}

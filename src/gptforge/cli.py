@@ -159,7 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
 
     limits = Limits(args.max_tokens, args.max_n, queue=args.queue, request_timeout=args.request_timeout)
-    serve(args.path, args.host, args.port, args.api_key, limits, tuple(args.cors), args.device, args.dtype)
+    serve(
+        args.path, args.host, args.port, args.api_key, limits, tuple(args.cors), args.device, args.dtype, args.threads
+    )
 
 
 def _ks(text: str) -> tuple[int, ...]:
@@ -359,6 +361,11 @@ def _add_serve_command(sub) -> None:
         "--request-timeout", type=_at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
     )
     s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="allow browser calls from ORIGIN")
+    s.add_argument(
+        "--threads",
+        type=_at_least(1),
+        help="CPU threads for generation (default: torch's; 1 beside a CPU training run)",
+    )
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     s.set_defaults(func=cmd_serve)

@@ -13,10 +13,11 @@ from tests.helpers import cli
 
 @contextlib.contextmanager
 def serving(path, *flags, log=None):
-    """`gptforge serve PATH --port 0 FLAGS` in a subprocess; yields its base URL (http://127.0.0.1:PORT)."""
+    """`gptforge serve PATH --port 0 --threads 1 FLAGS` in a subprocess; yields its base URL (http://127.0.0.1:PORT).
+    One thread: the tests' machine runs other work beside it (see --threads in the README)."""
     with open(log, "w") if log else contextlib.nullcontext(subprocess.DEVNULL) as err:
         server = subprocess.Popen(
-            cli("serve", path, "--port", "0", *flags), stdout=subprocess.PIPE, stderr=err, text=True
+            cli("serve", path, "--port", "0", "--threads", "1", *flags), stdout=subprocess.PIPE, stderr=err, text=True
         )
         try:
             lines: queue.Queue = queue.Queue()

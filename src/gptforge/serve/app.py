@@ -7,6 +7,7 @@ import ipaddress
 import socket
 from pathlib import Path
 
+import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -99,10 +100,13 @@ def serve(
     cors: tuple[str, ...] = (),
     device: str = "auto",
     dtype: str = "auto",
+    threads: int | None = None,
 ) -> None:
     """Serve until Ctrl-C; prints the address (with the port --port 0 chose) first."""
     root = check_root(path)
     check_binding(host, api_key)
+    if threads:  # beside a training run on the same CPU, more threads than are free make each token far slower
+        torch.set_num_threads(threads)
     sock = bind(host, port)
     app = build_app(root, api_key, limits, cors, device, dtype)
     shown = f"[{host}]" if ":" in host else host
