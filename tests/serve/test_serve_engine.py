@@ -3,6 +3,7 @@ what PATH may be, the binding rule, and CORS only when asked."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import sys
@@ -133,3 +134,24 @@ def test_without_the_serve_extra_the_command_says_how_to_get_it(monkeypatch, cap
     assert capsys.readouterr().err == (
         "gptforge serve: error: serve needs its extra: pip install 'gptforge[serve]' (missing uvicorn)\n"
     )
+
+
+def test_the_page_gets_a_long_log_in_at_most_2000_points_and_only_when_it_changed(tmp_path):
+    from gptforge.serve.app import build_app
+
+    run = tmp_path / "long"
+    run.mkdir()
+    train = {"kind": "train", "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 0.0, "tokens": 8}
+    lines = [json.dumps({**train, "step": s, "loss": float(s % 2)}) for s in range(1, 5001)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    client = testclient.TestClient(build_app(tmp_path))
+    first = client.get("/api/runs/long/metrics").json()
+    steps, losses = first["train"]["step"], first["train"]["loss"]
+    assert len(steps) == 1667 and steps[:2] == [3, 6] and steps[-1] == 5000  # buckets of 3 records, averaged
+    assert losses[:2] == [2 / 3, 1 / 3] and first["val"] == {"step": [], "loss": [], "bpb": []}
+    again = client.get("/api/runs/long/metrics", params={"version": first["version"]}).json()
+    assert again == {"version": first["version"], "unchanged": True}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**train, "step": 5001, "loss": 0.5}) + "\n")
+    grown = client.get("/api/runs/long/metrics", params={"version": first["version"]}).json()
+    assert grown["train"]["step"][-1] == 5001

@@ -114,7 +114,7 @@ def _version(path: Path) -> str | None:
 
 def _columns(records: list[dict], keys: tuple[str, ...]) -> dict[str, list]:
     """{"step": [...], key: [...]} with at most MAX_POINTS entries: consecutive records averaged in equal buckets."""
-    size = -(-len(records) // MAX_POINTS)  # ceil: 1 until a run logs more than MAX_POINTS records
+    size = max(1, -(-len(records) // MAX_POINTS))  # ceil: 1 until a run logs more than MAX_POINTS records
     out: dict[str, list] = {"step": []} | {k: [] for k in keys}
     for start in range(0, len(records), size):
         bucket = records[start : start + size]
