@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import httpx
 import pytest
-from tests.helpers import cli
 from tests.serve.server import serving
+
+from gptforge.cli import main
 
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -35,16 +35,11 @@ def test_models_lists_every_run_with_its_newest_checkpoint(client):
     assert models["alpha"].owned_by == "gptforge" and models["alpha"].checkpoint == "step_000004"
 
 
-def test_greedy_completion_equals_gptforge_sample_at_temperature_0(client, runs_dir):
+def test_greedy_completion_equals_gptforge_sample_at_temperature_0(client, runs_dir, capsys):
     prompt = "def add_all"
-    done = subprocess.run(
-        cli("sample", runs_dir / "alpha", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    expected = done.stdout.removeprefix(f"--- sample 0\n{prompt}").removesuffix("\n")
+    args = ["sample", str(runs_dir / "alpha"), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]
+    assert main(args) == 0
+    expected = capsys.readouterr().out.removeprefix(f"--- sample 0\n{prompt}").removesuffix("\n")
     r = client.completions.create(model="alpha", prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == expected and r.system_fingerprint == "step_000004"
     assert r.usage.prompt_tokens >= 1 and r.usage.completion_tokens <= 12
