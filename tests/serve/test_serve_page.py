@@ -18,8 +18,14 @@ WAIT_MS = 60_000  # generous: a bound for a busy CI machine, not a measurement
 
 
 @pytest.fixture(scope="module")
-def server(runs_dir, tmp_path_factory):
-    with serving(runs_dir, log=tmp_path_factory.mktemp("log") / "serve.log") as url:
+def runs(runs_dir, tmp_path_factory):
+    """A copy of the runs, which these tests grow as training would."""
+    return shutil.copytree(runs_dir, tmp_path_factory.mktemp("page") / "runs")
+
+
+@pytest.fixture(scope="module")
+def server(runs, tmp_path_factory):
+    with serving(runs, log=tmp_path_factory.mktemp("log") / "serve.log") as url:
         yield url
 
 
@@ -45,7 +51,7 @@ def page(browser, server):
     assert problems == []
 
 
-def test_the_page_shows_both_runs_curves_and_updates_them_as_training_logs(page, runs_dir):
+def test_the_page_shows_both_runs_curves_and_updates_them_as_training_logs(page, runs):
     for chart in ("loss", "bpb", "lr", "tps"):
         assert page.locator(f"#chart-{chart} canvas").count() == 1
     legend = page.inner_text("#chart-loss .u-legend")
@@ -56,13 +62,15 @@ def test_the_page_shows_both_runs_curves_and_updates_them_as_training_logs(page,
 
     record = {"kind": "train", "step": 5, "time": 9.0, "loss": 9.5, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0}
     record |= {"tokens": 1280, "tokens_per_s": 1000.0, "mfu": 0.0, "skipped": False}
-    with open(runs_dir / "alpha" / "metrics.jsonl", "a") as f:  # what `gptforge train` does each step
+    with open(runs / "alpha" / "metrics.jsonl", "a") as f:  # what `gptforge train` does each step
         f.write(json.dumps(record) + "\n")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('step 5')", timeout=WAIT_MS)
 
 
-def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, server):
-    assert "alpha / step_000004" in page.inner_text("#checkpoint")
+def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, server, runs):
+    checkpoints = runs / "alpha" / "checkpoints"
+    shutil.copytree(checkpoints / "step_000004", checkpoints / "step_000006")  # training writes a newer one
+    page.wait_for_function("document.getElementById('checkpoint').textContent.includes('step_000006')", timeout=WAIT_MS)
     page.fill("#prompt", "def add_all")
     page.fill("#max-tokens", "12")
     page.fill("#temperature", "0")
@@ -76,5 +84,5 @@ def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, se
     expected = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert page.inner_text("#out-prompt") == "def add_all"
     assert page.text_content("#out-text") == expected
-    assert page.inner_text("#out-info").startswith("step_000004 · finished: ")
+    assert page.inner_text("#out-info").startswith("step_000006 · finished: ")
     assert page.evaluate("window.pieces") > 2

@@ -4,6 +4,7 @@
 
 const POLL_MS = 2000;
 const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6, 2e6, 5e6];
+const chartHeight = (width) => (width < 500 ? 180 : 220); // shorter on a phone: more than one chart per screen
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
 const $ = (id) => document.getElementById(id);
 const state = { runs: [], metrics: {}, versions: {}, charts: {}, selected: null, shownVersion: null, abort: null };
@@ -63,7 +64,7 @@ function drawChart(name, runs) {
   if (old) old.plot.destroy();
   const format = PANELS[name].format;
   const opts = {
-    width: Math.max(260, el.clientWidth), height: 220, series, legend: { live: true },
+    width: Math.max(260, el.clientWidth), height: chartHeight(el.clientWidth), series, legend: { live: true },
     scales: { x: { time: false } },
     axes: [{ label: "step", incrs: STEP_INCRS }, { size: 60, values: format ? (u, vals) => vals.map(format) : undefined }],
   };
@@ -77,7 +78,8 @@ function drawCharts() {
 
 new ResizeObserver(() => {
   for (const [name, chart] of Object.entries(state.charts)) {
-    chart.plot.setSize({ width: Math.max(260, $("chart-" + name).clientWidth), height: 220 });
+    const width = $("chart-" + name).clientWidth;
+    chart.plot.setSize({ width: Math.max(260, width), height: chartHeight(width) });
   }
 }).observe($("charts"));
 
@@ -98,6 +100,7 @@ async function poll() {
       state.metrics[run.id] = m;
       changed = true;
     }
+    $("charts").hidden = !state.runs.some((r) => r.has_metrics); // a lone checkpoint has no training log to draw
     if (changed) drawCharts();
     await showSelected();
     showError("");
@@ -123,9 +126,10 @@ async function showSelected() {
   const m = state.metrics[run.id];
   const steps = m && m.train && m.train.step;
   const last = steps && steps.length ? steps[steps.length - 1] : null;
-  $("status").textContent = (last !== null ? `step ${last}` : "no steps yet") +
-    ` · updated ${new Date().toLocaleTimeString()}`;
-  $("checkpoint").textContent = run.checkpoint ? `· ${run.id} / ${run.checkpoint}` : "· no checkpoint yet";
+  const progress = run.is_checkpoint ? "a checkpoint (no training log)" : last !== null ? `step ${last}` : "no steps yet";
+  $("status").textContent = `${progress} · updated ${new Date().toLocaleTimeString()}`;
+  const where = run.is_checkpoint ? run.id : `${run.id} / ${run.checkpoint}`;
+  $("checkpoint").textContent = run.checkpoint ? `· ${where}` : "· no checkpoint yet";
   $("generate").disabled = !run.checkpoint || state.abort !== null;
   const version = run.id + "@" + (state.versions[run.id] || "") + "@" + (run.checkpoint || "");
   if (version === state.shownVersion) return;
