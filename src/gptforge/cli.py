@@ -353,7 +353,11 @@ def _add_serve_command(sub) -> None:
     s.add_argument("path", metavar="PATH", help="a run folder, a checkpoint or a folder of runs")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
     s.add_argument("--port", type=_at_least(0), default=8000, help="TCP port (default 8000; 0 = any free port)")
-    s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 and /api (the page asks for it)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("GPTFORGE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 and /api (default: $GPTFORGE_API_KEY, unseen by `ps`)",
+    )
     s.add_argument("--max-tokens", type=_at_least(1), default=1024, help="largest max_tokens a request may ask")
     s.add_argument("--max-n", type=_at_least(1), default=8, help="largest n (completions per prompt)")
     s.add_argument("--queue", type=_at_least(0), default=8, help="requests waiting while one generates; more: 429")

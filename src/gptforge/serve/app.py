@@ -84,9 +84,11 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # OverflowError: a port past 65535
         sock.close()
-        raise GptforgeError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+        raise GptforgeError(
+            f"--host {host} --port {port}: cannot listen there ({getattr(e, 'strerror', None) or e})"
+        ) from None
     sock.listen(128)
     return sock
 
