@@ -48,6 +48,8 @@ class Job:
 
 
 class Engine:
+    """Serves the runs under `root`: admits requests up to the queue's bound and runs them one at a time."""
+
     def __init__(self, root: Path, limits: Limits, device: str = "auto", dtype: str = "auto") -> None:
         self.root, self.limits, self.device, self.dtype = root, limits, device, dtype
         self._model_lock = threading.Lock()  # one generation at a time: it uses every core (or the GPU) already
@@ -70,8 +72,8 @@ class Engine:
         try:
             if not self._model_lock.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
                 raise ApiError(429, "the server stayed busy for this request's whole time limit", None, "server_busy")
-            try:
-                usage = self._generate(job)
+            try:  # a client that left while waiting costs nothing more
+                usage = None if job.cancel.is_set() else self._generate(job)
             finally:
                 self._model_lock.release()
             last = ("done", usage) if usage else None
