@@ -94,3 +94,18 @@ def test_reference_that_runs_out_of_memory_is_retried_with_smaller_micro_batches
     r = bench.run_bench(cfg, steps=1, warmup=1)
     assert tried == [(2, 8), (4, 4), (8, 2)]  # 2 x 8 x 32 tokens each time
     assert r["reference"]["micro_batch"] == 2 and r["settings"]["micro_batch"] == 8
+
+
+def test_mfu_over_100_percent_reprobes_a_cpu_peak_and_never_prints_nonsense(monkeypatch):
+    from gptforge.runtime import flops
+
+    # The machine was busy at the first probe: the second finds more. A fourth probe would raise StopIteration.
+    probes = iter([2e11, 1e11, 1e11])
+    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda dtype: next(probes))
+    mfu = flops.Utilisation(5e10, torch.device("cpu"), torch.float32)
+    assert mfu(2.5e10) == 0.5  # below the probed peak: no re-probe
+    assert mfu(1e11) == 0.5 and mfu.peak == 2e11  # beat it: probed again, the higher peak kept
+    assert [mfu(3e11) for _ in range(4)] == [None] * 4 and mfu.reprobes == 3  # over 100% after 3 probes: no number
+    assert flops.format_mfu(None) == "n/a" and flops.format_mfu(0.256) == "25.6%"
+    assert flops.format_flops(4.2e10) == "42 GFLOP/s" and flops.format_flops(9.894e14) == "989.4 TFLOP/s"
+    assert flops.Utilisation(0.0, torch.device("cpu"), torch.float32)(1e9) is None  # unknown peak

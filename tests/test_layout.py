@@ -15,10 +15,12 @@ LAYERS = [
     {"model", "data"},
     {"config"},
     {"checkpoint", "rundir"},
-    {"eval", "hub"},
+    {"hub"},
+    {"eval"},  # above hub: the lm-eval bridge scores a checkpoint through its Hugging Face export
     {"train"},
     {"bench", "sample", "report", "serve"},
     {"demo"},
+    {"speedrun"},
     {"cli"},
     {"__main__"},
 ]

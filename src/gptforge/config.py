@@ -61,6 +61,13 @@ class OptimConfig:
     """cosine (warm-up, cosine decay to min), wsd (warm-up, stable, linear decay to min), or constant."""
     decay_fraction: float = 0.2
     """For wsd: the share of the steps spent decaying at the end."""
+    optimizer: str = "adamw"
+    """adamw (GPT-3), or muon: Muon for the blocks' 2-D matrices, AdamW (lr, betas, eps above) for embeddings,
+    lm_head, gains and biases. Muon needs torch >= 2.9."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (the schedule scales it with lr)."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
 
 
 @dataclass
@@ -101,6 +108,8 @@ class TrainConfig:
 class EvalConfig:
     every: int = 250
     """Validate every N steps (and at the first and last step); 0: only at the start and the end."""
+    points: int = 0
+    """Instead of `every`: validate about this many times, evenly over the run's steps (a time budget's too)."""
     tokens: int = 1_048_576
     """Validation tokens per evaluation: whole batches of windows spread evenly over the split (capped by its size)."""
     hellaswag: str = ""
@@ -219,6 +228,11 @@ RULES: dict[str, tuple[Any, str]] = {
     "model.vocab_multiple": _at_least(1),
     "model.dropout": _within(0, 1),
     "model.layer_norm_eps": _POSITIVE,
+    "model.norm": _one_of("layernorm", "rmsnorm"),
+    "model.position": _one_of("learned", "rotary"),
+    "model.rope_theta": _POSITIVE,
+    "model.mlp": _one_of("gelu", "swiglu", "relu2"),
+    "model.mlp_hidden": _at_least(0),
     "optim.lr": _POSITIVE,
     "optim.min_lr_ratio": _within(0, 1, high_ok=True),
     "optim.warmup_steps": _at_least(0),
@@ -229,6 +243,9 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.grad_clip": _at_least(0),
     "optim.schedule": _one_of("cosine", "wsd", "constant"),
     "optim.decay_fraction": _within(0, 1, high_ok=True),
+    "optim.optimizer": _one_of("adamw", "muon"),
+    "optim.muon_lr": _POSITIVE,
+    "optim.muon_momentum": _within(0, 1),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _at_least(1),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),
@@ -241,6 +258,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.dist_timeout": _POSITIVE,
     "train.peak_flops": _at_least(0),
     "eval.every": _at_least(0),
+    "eval.points": _at_least(0),
     "eval.tokens": _at_least(1),
     "eval.hellaswag_limit": _at_least(0),
     "eval.sample_tokens": _at_least(0),

@@ -22,8 +22,10 @@ SAMPLES = "samples.jsonl"
 FIELDS = {
     "train": ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "time"),
     "val": ("loss", "ppl", "bpb"),
-    "hellaswag": ("acc_norm", "n"),
+    "hellaswag": ("acc_norm_token", "n"),
 }
+# Names older runs wrote, read under today's: HellaSwag's per-token acc_norm, named so since lm-eval's is per character.
+OLD_NAMES = {"hellaswag": {"acc_norm": "acc_norm_token"}}
 
 
 def read_metrics(run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", "hellaswag")) -> dict[str, list[dict]]:
@@ -35,6 +37,9 @@ def read_metrics(run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", 
     for where, record in read_jsonl(path, torn_tail_ok=True):
         if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
             raise GptforgeError(f"{where}: expected a JSON object with an integer 'step'")
+        for old, new in OLD_NAMES.get(record.get("kind"), {}).items():
+            if old in record and new not in record:
+                record[new] = record.pop(old)
         missing = [k for k in FIELDS.get(record.get("kind"), ()) if k not in record]
         if missing:
             raise GptforgeError(f"{where}: a {record['kind']} record without {missing} (not written by gptforge train)")

@@ -52,8 +52,8 @@ def write_examples(path, n=12, labels=None):
 
 
 def hf_predictions(model, tok, examples):
-    """Independent scoring: per ending, the sum and mean log-loss of its tokens given the context."""
-    by_sum, by_mean = [], []
+    """Independent scoring: per ending, the sum of its tokens' log-loss given the context, per token, per character."""
+    by_sum, by_mean, by_char = [], [], []
     for ex in examples:
         ctx = tok(ex["ctx"])["input_ids"]
         sums, means = [], []
@@ -67,10 +67,11 @@ def hf_predictions(model, tok, examples):
             means.append(-token_logp.mean().item())
         by_sum.append(min(range(4), key=sums.__getitem__))
         by_mean.append(min(range(4), key=means.__getitem__))
-    return by_sum, by_mean
+        by_char.append(min(range(4), key=lambda j: sums[j] / len(ex["endings"][j])))  # lm-eval's acc_norm
+    return by_sum, by_mean, by_char
 
 
-def test_acc_and_acc_norm_match_transformers(tmp_path):
+def test_acc_and_both_normalisations_match_transformers(tmp_path):
     torch.manual_seed(0)
     ours = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32)).eval()
     tok = load_tokenizer("gpt2")
@@ -78,18 +79,23 @@ def test_acc_and_acc_norm_match_transformers(tmp_path):
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     examples = write_examples(tmp_path / "h.jsonl")
-    by_sum, by_mean = hf_predictions(ref, hf_tok, examples)
-    assert by_sum != by_mean  # the two criteria disagree somewhere, so each check below is meaningful
+    by_sum, by_mean, by_char = hf_predictions(ref, hf_tok, examples)
+    assert (
+        len({tuple(by_sum), tuple(by_mean), tuple(by_char)}) == 3
+    )  # the criteria disagree: each check means something
 
     cpu = torch.device("cpu")
     write_examples(tmp_path / "sum.jsonl", labels=by_sum)
     result = evaluate_hellaswag(
         ours, tok, read_examples(str(tmp_path / "sum.jsonl")), cpu, torch.float32, batch_examples=5
     )
-    assert result["acc"] == 1.0 and result["acc_norm"] < 1.0 and result["n"] == 12
+    assert result["acc"] == 1.0 and result["acc_norm_token"] < 1.0 and result["n"] == 12
     write_examples(tmp_path / "mean.jsonl", labels=by_mean)
     result = evaluate_hellaswag(ours, tok, read_examples(str(tmp_path / "mean.jsonl"), limit=10), cpu, torch.float32)
-    assert result["acc_norm"] == 1.0 and result["acc"] < 1.0 and result["n"] == 10
+    assert result["acc_norm_token"] == 1.0 and result["acc"] < 1.0 and result["n"] == 10
+    write_examples(tmp_path / "char.jsonl", labels=by_char)
+    result = evaluate_hellaswag(ours, tok, read_examples(str(tmp_path / "char.jsonl")), cpu, torch.float32)
+    assert result["acc_norm_char"] == 1.0 and result["acc_norm_token"] < 1.0 and result["acc"] < 1.0
 
 
 def test_bad_hellaswag_file(tmp_path):
@@ -121,7 +127,7 @@ def test_training_scores_hellaswag_at_each_evaluation(data_dir, tmp_path):
     train(cfg, tmp_path / "run")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     hs = [r for r in records if r["kind"] == "hellaswag"]
-    assert [r["step"] for r in hs] == [0, 2, 4] and all(r["n"] == 5 and 0 <= r["acc_norm"] <= 1 for r in hs)
+    assert [r["step"] for r in hs] == [0, 2, 4] and all(r["n"] == 5 and 0 <= r["acc_norm_token"] <= 1 for r in hs)
 
 
 def test_hf_hellaswag_reads_the_validation_split_of_a_local_dataset(tmp_path, monkeypatch):

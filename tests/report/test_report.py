@@ -26,7 +26,7 @@ def test_plot_overlays_runs_with_every_panel_and_report(data_dir, tmp_path, caps
         )
         train(cfg, tmp_path / name)
     out, panels = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
-    assert panels == list(PANELS) and "HellaSwag acc_norm" in panels and "tokens/s" in panels
+    assert panels == list(PANELS) and "HellaSwag acc_norm_token" in panels and "tokens/s" in panels
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
 
@@ -94,3 +94,13 @@ def test_plot_into_a_folder_is_refused_and_a_read_only_run_still_gets_its_report
         err.strip()
         == f"gptforge report: warning: report.md not written: cannot write {run}/report.md: Read-only file system"
     )
+
+
+def test_a_run_logged_with_the_old_acc_norm_name_still_plots_and_reports(tmp_path, capsys):
+    """Runs written before HellaSwag's per-token accuracy was named acc_norm_token read as before."""
+    run = tmp_path / "run"
+    old = {"kind": "hellaswag", "acc": 0.25, "acc_norm": 0.375, "n": 8}
+    write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8}, {**old, "step": 1}, {**old, "step": 2})
+    assert main(["plot", str(run)]) == 0
+    assert main(["report", str(run)]) == 0
+    assert "| best HellaSwag acc_norm_token | 0.3750 (step 1, 8 examples) |" in capsys.readouterr().out

@@ -1,11 +1,12 @@
 import math
 
 import pytest
+import torch
 
 from gptforge.config import OptimConfig
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
-from gptforge.train.optim import build_optimizer, cosine_lr, lr_at
+from gptforge.train.optim import build_optimizer, cosine_lr, lr_at, set_lr
 
 
 def test_schedule_values():
@@ -40,3 +41,45 @@ def test_wsd_and_constant_schedules():
     assert [lr_at(s, const, 100) for s in (0, 3, 50)] == [0.5, 2.0, 2.0]
     with pytest.raises(GptforgeError, match="optim.schedule='linear'"):
         lr_at(0, OptimConfig(schedule="linear"), 10)
+
+
+def modern_model():
+    cfg = GPTConfig(block_size=8, vocab_size=64, n_layer=2, n_head=1, n_embd=8, tie_embeddings=False, bias=False)
+    return GPT(cfg)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    model = modern_model()
+    opt = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, weight_decay=0.1), "cpu")
+    assert isinstance(opt.muon, torch.optim.Muon) and isinstance(opt.adamw, torch.optim.AdamW)
+    muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in muon}
+    assert names == {f"transformer.h.{i}.{m}.weight" for i in (0, 1) for m in ("attn.c_attn", "attn.c_proj",
+                                                                              "mlp.c_fc", "mlp.c_proj")}  # fmt: skip
+    decay, no_decay = opt.adamw.param_groups
+    tables = (model.transformer.wte, model.transformer.wpe, model.lm_head)
+    assert {id(p) for p in decay["params"]} == {id(m.weight) for m in tables}
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert set_lr(opt, 5e-4) == 5e-4  # the schedule's value is AdamW's; Muon's keeps its 20x
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.01), 5e-4, 5e-4]
+
+
+def test_muon_resumes_from_its_state_dict():
+    model = modern_model()
+    cfg = OptimConfig(optimizer="muon")
+    opt = build_optimizer(model, cfg, "cpu")
+    model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))[1].backward()
+    opt.step()
+    again = build_optimizer(model, cfg, "cpu")
+    again.load_state_dict(opt.state_dict())
+    assert again.state_dict()["muon"]["state"].keys() == opt.state_dict()["muon"]["state"].keys() != set()
+    with pytest.raises(ValueError, match="Muon \\+ AdamW state"):
+        again.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_muon_refuses_zero_and_old_torch(monkeypatch):
+    with pytest.raises(GptforgeError, match="optim.optimizer=muon with train.zero=true"):
+        build_optimizer(modern_model(), OptimConfig(optimizer="muon"), "cpu", zero=True)
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(GptforgeError, match="optim.optimizer=muon needs torch >= 2.9"):
+        build_optimizer(modern_model(), OptimConfig(optimizer="muon"), "cpu")

@@ -43,15 +43,25 @@ def test_checkpoint_reloads_to_the_same_model(data_dir, tmp_path):
     assert not any(p.name.startswith(".") for p in (tmp_path / "run" / "checkpoints").iterdir())
 
 
-def test_resume_continues_where_it_stopped(data_dir, tmp_path):
-    straight = train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3"), tmp_path / "a")
-    train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3"), tmp_path / "b")
+MODERN = [
+    "model.norm=rmsnorm", "model.position=rotary", "model.qk_norm=true", "model.bias=false",
+    "model.tie_embeddings=false", "model.mlp=relu2", "model.zero_init=true", "optim.optimizer=muon",
+    "optim.schedule=wsd",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", [[], MODERN], ids=["gpt2", "modern-muon"])
+def test_resume_continues_where_it_stopped(data_dir, tmp_path, recipe):
+    straight = train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3", *recipe), tmp_path / "a")
+    train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3", *recipe), tmp_path / "b")
     # Drop the final checkpoint and metrics, then resume from step 3.
     import shutil
 
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000006")
     (tmp_path / "b" / "metrics.jsonl").unlink()
-    resumed = train(tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3"), tmp_path / "b", resume="auto")
+    resumed = train(
+        tiny_cfg(data_dir, "train.max_steps=6", "checkpoint.every=3", *recipe), tmp_path / "b", resume="auto"
+    )
     a, _, _, _ = load_checkpoint(straight.checkpoint)
     b, _, _, _ = load_checkpoint(resumed.checkpoint)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):

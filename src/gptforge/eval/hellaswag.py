@@ -1,7 +1,8 @@
 """HellaSwag, completion style as in the GPT-2 reproductions: score each ending by its tokens' loss after the context.
 
-`acc` picks the ending with the lowest summed loss, `acc_norm` the lowest mean loss per ending token (GPT-2
-124M: 29.55% acc_norm with this scoring). Examples are sharded over ranks and the counts all-reduced.
+`acc` picks the ending with the lowest summed loss, `acc_norm_token` the lowest mean loss per ending token (the
+GPT-2 reproductions' acc_norm: GPT-2 124M 29.55%), `acc_norm_char` the lowest loss per character of the ending
+(lm-evaluation-harness's acc_norm: GPT-2 124M 31.14% there). Examples are sharded over ranks, counts all-reduced.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
 
-GPT2_124M_ACC_NORM = 0.2955  # OpenAI GPT-2 124M under this scoring (build-nanogpt, llm.c)
+GPT2_124M_ACC_NORM = 0.2955  # OpenAI GPT-2 124M, acc_norm_token (build-nanogpt, llm.c)
+GPT2_124M_LM_EVAL_ACC_NORM = 0.3114  # the same model's per-character acc_norm in lm-evaluation-harness
 GPT3_125M_ACC_NORM = 0.337  # GPT-3 Small, zero-shot (GPT-3 paper, table 3.4)
 
 
@@ -72,10 +74,10 @@ def evaluate_hellaswag(
     env: DistEnv = SINGLE,
     batch_examples: int = 8,
 ) -> dict[str, float]:
-    """acc and acc_norm over `examples`; each rank scores examples rank, rank + world, ..."""
+    """acc, acc_norm_token and acc_norm_char over `examples`; each rank scores examples rank, rank + world, ..."""
     was_training = model.training
     model.eval()
-    counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by sum, correct by mean, examples
+    counts = torch.zeros(4, dtype=torch.long, device=device)  # correct by sum, per token, per character; examples
     mine = examples[env.rank :: env.world_size]
     for i in range(0, len(mine), batch_examples):
         rendered = [render(e, tok, model.config.block_size) for e in mine[i : i + batch_examples]]
@@ -93,16 +95,21 @@ def evaluate_hellaswag(
         losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), idx[:, 1:], reduction="none")
         scored = mask[:, 1:]
         total = (losses * scored).sum(1).view(-1, 4)
-        mean = total / scored.sum(1).view(-1, 4)
+        per_token = total / scored.sum(1).view(-1, 4)
+        chars = [max(len(ending), 1) for e in mine[i : i + batch_examples] for ending in e["endings"]]
+        per_char = total / torch.tensor(chars, device=device).view(-1, 4)
         labels = torch.tensor([e["label"] for e in mine[i : i + batch_examples]], device=device)
-        counts[0] += (total.argmin(1) == labels).sum()
-        counts[1] += (mean.argmin(1) == labels).sum()
-        counts[2] += len(labels)
+        for j, loss in enumerate((total, per_token, per_char)):
+            counts[j] += (loss.argmin(1) == labels).sum()
+        counts[3] += len(labels)
     model.train(was_training)
     all_reduce_sum(counts, env)
-    n = int(counts[2])
-    return {"acc": counts[0].item() / max(n, 1), "acc_norm": counts[1].item() / max(n, 1), "n": n}
+    n, c = int(counts[3]), [x / max(int(counts[3]), 1) for x in counts.tolist()]
+    return {"acc": c[0], "acc_norm_token": c[1], "acc_norm_char": c[2], "n": n}
 
 
 def format_hellaswag(result: dict[str, float]) -> str:
-    return f"acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} over {result['n']} examples"
+    return (
+        f"acc {result['acc']:.4f} | acc_norm_token {result['acc_norm_token']:.4f} | "
+        f"acc_norm_char {result['acc_norm_char']:.4f} over {result['n']} examples"
+    )

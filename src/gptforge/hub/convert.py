@@ -1,7 +1,8 @@
 """Hugging Face GPT-2 interop: one key map plus Conv1D transposes, shared by export and import.
 
 HF's GPT2LMHeadModel keeps its projections as Conv1D, weight (in, out); ours are nn.Linear, (out, in).
-Parameter names are otherwise the same, and the vocabulary padding never leaves gptforge.
+Parameter names are otherwise the same, and the vocabulary padding never leaves gptforge. Modern models
+(RMSNorm, rotary) go to Llama/Qwen3/Arcee through hub/modern.py; export_hf and import_hf pick the map.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gptforge.config import Config, validate
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.files import building_dir, read_text, usual_mode, write_json
+from gptforge.hub import modern
 from gptforge.model.gpt import GPT, GPTConfig
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -87,7 +89,8 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     """Our model config for an HF GPT-2 config.json; refuses variants our model does not compute."""
     if not isinstance(config, dict) or config.get("model_type", "gpt2") != "gpt2":
         kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        raise GptforgeError(f"{where}: model_type {kind!r} is not gpt2")
+        expected = ", ".join(["gpt2", *modern.ARCHITECTURES])
+        raise GptforgeError(f"{where}: model_type {kind!r} is not supported (expected {expected})")
     for key in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd"):
         value = config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -161,25 +164,29 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
     is replaced only once the new one is complete."""
     out = Path(out_dir)
     cfg = model.config
+    gpt2 = modern.exports_as_gpt2(cfg)
+    config = hf_config(cfg, tokenizer.eot) if gpt2 else modern.hf_config(cfg, tokenizer.eot)  # refusals come first
     with building_dir(out) as tmp:
-        write_json(tmp / "config.json", hf_config(cfg, tokenizer.eot))
+        write_json(tmp / "config.json", config)
         write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot, "eos_token_id": tokenizer.eot})
-        save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
+        weights = to_hf_state_dict(model) if gpt2 else modern.to_hf_state_dict(model)
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         usual_mode(tmp / "model.safetensors")
         write_tokenizer_files(tokenizer, tmp, cfg.block_size)
     return out
 
 
 def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
-    """An HF GPT-2 folder as our model, its tokenizer ('gpt2' or the path of its tokenizer.json) and the
-    precision config.json declares (float32 when it declares none)."""
+    """An HF GPT-2 (or Llama/Qwen3/Arcee) folder as our model, its tokenizer ('gpt2' or the path of its
+    tokenizer.json) and the precision config.json declares (float32 when it declares none)."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face GPT-2 model folder)")
+        raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
     try:
         config = json.loads(read_text(config_path))
-        cfg = gpt_config_from_hf(config, config_path)
+        is_modern = isinstance(config, dict) and config.get("model_type") in modern.ARCHITECTURES
+        cfg = (modern.gpt_config_from_hf if is_modern else gpt_config_from_hf)(config, config_path)
     except json.JSONDecodeError as e:
         raise GptforgeError(f"{config_path}: not JSON ({e})") from None
     model = GPT(cfg)
@@ -192,7 +199,8 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
     except Exception as e:  # noqa: BLE001 - safetensors and torch.load raise their own types for a damaged file
         raise GptforgeError(f"{hf_dir}: unreadable weights ({type(e).__name__}: {first_detail(e)})") from None
     try:
-        missing, unexpected = model.load_state_dict(from_hf_state_dict(weights, cfg), strict=False)
+        state = modern.from_hf_state_dict(weights, model, hf_dir) if is_modern else from_hf_state_dict(weights, cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shapes that config.json does not describe
         raise GptforgeError(f"{hf_dir}: weights do not match config.json ({first_detail(e)})") from None
     if missing or unexpected:

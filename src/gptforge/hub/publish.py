@@ -47,8 +47,8 @@ def export_and_push(model: GPT, tokenizer: Tokenizer, remote: str, branch: str, 
 
 
 def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) -> str:
-    """`gptforge import`: an HF GPT-2 folder as a gptforge checkpoint (no optimizer state, step 0); an existing
-    non-empty `out` is replaced (atomically) only with `force`."""
+    """`gptforge import`: an HF GPT-2/Llama/Qwen3/Arcee folder as a gptforge checkpoint (no optimizer state,
+    step 0); an existing non-empty `out` is replaced (atomically) only with `force`."""
     check_output_dir(out, force, reads=[hf_dir])
     model, tokenizer, precision = import_hf(hf_dir)
     tok = load_tokenizer(str(tokenizer))

@@ -1,7 +1,9 @@
-"""GPT-2, faithfully: pre-LayerNorm blocks with biases, tanh-GELU, learned positions, tied embeddings.
+"""GPT-2, faithfully (pre-LayerNorm blocks with biases, tanh-GELU, learned positions, tied embeddings), and an
+opt-in modern block chosen field by field: RMSNorm, rotary positions, QK-norm, no biases, untied embeddings, a SwiGLU
+or ReLU² MLP, zero-initialised output projections.
 
-Parameter names match OpenAI/Hugging Face GPT-2 so weight conversion is a key map plus Conv1D transposes.
-The model holds no I/O, optimizer or distributed code.
+Parameter names match OpenAI/Hugging Face GPT-2 so weight conversion is a key map plus Conv1D transposes (the modern
+block keeps those names; hub/ maps them to Llama/Qwen3). The model holds no I/O, optimizer or distributed code.
 """
 
 from __future__ import annotations
@@ -34,7 +36,25 @@ class GPTConfig:
     dropout: float = 0.0
     """Dropout on embeddings, attention and residual outputs (0 for pretraining, as GPT-2 recipes do)."""
     layer_norm_eps: float = 1e-5
-    """LayerNorm epsilon (GPT-2's 1e-5; an imported model keeps its own)."""
+    """Epsilon of every LayerNorm/RMSNorm (GPT-2's 1e-5; an imported model keeps its own)."""
+    norm: str = "layernorm"
+    """layernorm (GPT-2: gain and bias) or rmsnorm (gain only)."""
+    position: str = "learned"
+    """learned (GPT-2's position table, `wpe`) or rotary (RoPE on queries and keys, no table)."""
+    rope_theta: float = 10000.0
+    """Rotary base: the slowest rotation's period in tokens, roughly."""
+    qk_norm: bool = False
+    """RMSNorm each head's queries and keys (with a gain) before attention: bounded logits, steadier at high lr."""
+    bias: bool = True
+    """Biases in the linear layers (GPT-2 has them; modern models drop them)."""
+    tie_embeddings: bool = True
+    """lm_head shares the token embedding's weights (GPT-2); false gives the output layer its own."""
+    mlp: str = "gelu"
+    """gelu (GPT-2: tanh-GELU), swiglu (SiLU-gated, as Llama/Qwen) or relu2 (squared ReLU, as modded-nanogpt)."""
+    mlp_hidden: int = 0
+    """MLP width (0: 4 * n_embd; for swiglu 8/3 * n_embd rounded up to a multiple of 64: the same parameters)."""
+    zero_init: bool = False
+    """Start the residual output projections (and an untied lm_head) at zero: each block begins as the identity."""
     fused_loss: bool = True
     """Compute the cross-entropy together with lm_head, a chunk of rows at a time, so the full (tokens x vocab)
     logits never exist: less memory, same loss and gradients as the plain path."""
@@ -45,6 +65,19 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         m = max(1, self.vocab_multiple)
         return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def hidden_size(self) -> int:
+        """The MLP's inner width (per branch for swiglu)."""
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        return -(-8 * self.n_embd // 192) * 64 if self.mlp == "swiglu" else 4 * self.n_embd
+
+    @property
+    def is_gpt2(self) -> bool:
+        """Every component is GPT-2's (the `gpt2*` presets)."""
+        parts = (self.norm, self.position, self.qk_norm, self.bias, self.tie_embeddings, self.mlp, self.zero_init)
+        return parts == ("layernorm", "learned", False, True, True, "gelu", False)
 
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -89,6 +122,35 @@ def explicit_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return att @ v
 
 
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in fp32 (as Llama/Qwen3 do), returned in the input's dtype: under bf16 autocast a bf16 input
+    with an fp32 gain would miss torch's fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight, self.eps).type_as(x)
+
+
+def norm_layer(cfg: GPTConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.layer_norm_eps, bias=cfg.bias)
+
+
+def rotary_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotation angles, (block_size, head_dim), in the half-split layout HF uses."""
+    hs = cfg.n_embd // cfg.n_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs))
+    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, nh, T, hs) by each position's angles: pairs (i, i + hs/2) turn together."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -96,16 +158,24 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"model.n_embd={cfg.n_embd} is not divisible by model.n_head={cfg.n_head}")
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=cfg.layer_norm_eps)
+            self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             if cache.pos and T > 1:
                 raise ValueError("a KV cache takes one prompt (from position 0), then one token at a time")
@@ -123,47 +193,68 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.kind = cfg.mlp
+        branches = 2 if cfg.mlp == "swiglu" else 1  # swiglu's c_fc holds the gate, then the up projection
+        self.c_fc = nn.Linear(cfg.n_embd, branches * cfg.hidden_size, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.hidden_size, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        h = self.c_fc(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.ln_1 = norm_layer(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.ln_2 = norm_layer(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache, layer)
         return x + self.mlp(self.ln_2(x))
+
+
+CHOICES = {"norm": ("layernorm", "rmsnorm"), "position": ("learned", "rotary"), "mlp": ("gelu", "swiglu", "relu2")}
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        for key, allowed in CHOICES.items():
+            if getattr(cfg, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(cfg, key)!r}: expected one of {', '.join(allowed)}")
         self.config = cfg
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps),
-            )
-        )
+        layers = dict(wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd))
+        if cfg.position == "learned":
+            layers["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
+        layers.update(drop=nn.Dropout(cfg.dropout), h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)))
+        self.transformer = nn.ModuleDict(dict(**layers, ln_f=norm_layer(cfg, cfg.n_embd)))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied input/output embedding
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # tied input/output embedding
+        if cfg.position == "rotary":  # derived from the config, so neither saved nor loaded
+            cos, sin = rotary_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), since each block adds two of them.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                if cfg.zero_init:
+                    nn.init.zeros_(p)
+        if cfg.zero_init and not cfg.tie_embeddings:
+            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -176,14 +267,17 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         """Parameters with the real vocabulary, tied weights counted once (124,439,808 for `gpt2`)."""
+        cfg = self.config
         total = sum(p.numel() for p in self.parameters())
-        return total - (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
+        padded_tables = 1 if cfg.tie_embeddings else 2
+        return total - padded_tables * (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6 per matmul weight plus attention scores."""
         cfg = self.config
         T = seq_len or cfg.block_size
-        matmul_params = 12 * cfg.n_layer * cfg.n_embd**2 + cfg.padded_vocab_size * cfg.n_embd
+        mlp = (3 if cfg.mlp == "swiglu" else 2) * cfg.n_embd * cfg.hidden_size
+        matmul_params = cfg.n_layer * (4 * cfg.n_embd**2 + mlp) + cfg.padded_vocab_size * cfg.n_embd
         return 6 * matmul_params + 6 * cfg.n_layer * cfg.n_embd * T
 
     def forward(
@@ -202,13 +296,17 @@ class GPT(nn.Module):
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.block_size={self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x, rope = self.transformer.wte(idx), None
+        if self.config.position == "learned":
+            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        else:
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
             else:
-                x = block(x, cache, i)
+                x = block(x, rope, cache, i)
         if cache is not None:
             cache.pos += T
         x = self.transformer.ln_f(x)

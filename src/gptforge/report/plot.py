@@ -1,7 +1,7 @@
 """`gptforge plot`: one PNG of a run's curves, or several runs overlaid for comparison.
 
-Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm with the GPT-2 / GPT-3 124M reference
-lines, learning rate, gradient norm, tokens/s.
+Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm_token (per-token mean) with the GPT-2 /
+GPT-3 124M reference lines, learning rate, gradient norm, tokens/s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gptforge.eval.hellaswag import GPT2_124M_ACC_NORM, GPT3_125M_ACC_NORM
 from gptforge.files import atomic_write
 from gptforge.rundir import read_metrics
 
-PANELS = ("loss", "val bits per byte", "HellaSwag acc_norm", "learning rate", "grad norm (pre-clip)", "tokens/s")
+PANELS = ("loss", "val bits per byte", "HellaSwag acc_norm_token", "learning rate", "grad norm (pre-clip)", "tokens/s")
 
 
 def smooth(values: list[float], beta: float = 0.9) -> list[float]:
@@ -67,8 +67,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tupl
         ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
         ax["loss"].plot(*_series(val, "loss"), "o--", color=color, markersize=3, label=f"{name} val")
         ax["val bits per byte"].plot(*_series(val, "bpb"), "o-", color=color, markersize=3, label=name)
-        ax["HellaSwag acc_norm"].plot(*_series(hs, "acc_norm"), "o-", color=color, markersize=3, label=name)
-    refs = ax["HellaSwag acc_norm"]
+        ax["HellaSwag acc_norm_token"].plot(*_series(hs, "acc_norm_token"), "o-", color=color, markersize=3, label=name)
+    refs = ax["HellaSwag acc_norm_token"]
     refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")
     refs.axhline(GPT3_125M_ACC_NORM, color="black", linestyle=":", label=f"GPT-3 125M ({GPT3_125M_ACC_NORM:.1%})")
     refs.axhline(0.25, color="lightgray", linewidth=0.8, label="chance (25%)")

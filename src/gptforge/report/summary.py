@@ -17,7 +17,7 @@ def run_report(run_dir: str | Path) -> str:
     also written to RUN_DIR/report.md."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm")
+    train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm_token")
     lines = [f"# Run `{run_dir.name}`", "", "| metric | value |", "| --- | --- |"]
     if train:
         steady = train[1:] or train  # the first step pays for warm-up
@@ -39,10 +39,9 @@ def run_report(run_dir: str | Path) -> str:
             f"| final val loss | {val[-1]['loss']:.4f} (step {val[-1]['step']:,}) |",
         ]
     if hs:
-        best = max(hs, key=lambda r: r["acc_norm"])
-        lines.append(
-            f"| best HellaSwag acc_norm | {best['acc_norm']:.4f} (step {best['step']:,}, {best['n']} examples) |"
-        )
+        best = max(hs, key=lambda r: r["acc_norm_token"])
+        where = f"(step {best['step']:,}, {best['n']} examples)"
+        lines.append(f"| best HellaSwag acc_norm_token | {best['acc_norm_token']:.4f} {where} |")
     config = run_dir / CONFIG
     if config.is_file():
         lines += ["", "## Config", "", "```toml", config.read_text().strip(), "```"]

@@ -10,7 +10,7 @@ import datetime
 import os
 import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,23 +38,80 @@ class DistEnv:
 SINGLE = DistEnv()  # a world of one
 
 
+# Where launchers put a process's place, in the order accelerate reads them: torchrun (and accelerate --multi_gpu),
+# then MPI's (Intel MPI/MPICH's PMI, Open MPI, MVAPICH), which `accelerate launch --cpu --mpirun_hostfile` starts.
+_RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+_LOCAL_RANK = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+_WORLD_SIZE = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launch_env(environ: Mapping[str, str]) -> DistEnv:
+    """This process's place in the job its launcher describes; a world of one without a launcher."""
+
+    def first(names: tuple[str, ...], default: int) -> int:
+        return next((int(environ[name]) for name in names if name in environ), default)
+
+    world = first(_WORLD_SIZE, 1)
+    return DistEnv(first(_RANK, 0), first(_LOCAL_RANK, 0), world) if world > 1 else SINGLE
+
+
 def init(device_name: str, timeout: float) -> tuple[DistEnv, str]:
-    """Join the process group the launcher describes (RANK, LOCAL_RANK, WORLD_SIZE), its collectives failing after
-    `timeout` seconds; returns the env and this rank's device: cuda:LOCAL_RANK (nccl), else the requested (gloo)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """Join the process group the launcher describes (torchrun's RANK, LOCAL_RANK, WORLD_SIZE, or MPI's), its
+    collectives failing after `timeout` seconds; returns the env and this rank's device: cuda:LOCAL_RANK (nccl), else
+    the requested (gloo)."""
+    env = launch_env(os.environ)
+    world = env.world_size
     if world == 1:
-        return DistEnv(), device_name
-    env = DistEnv(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)
+        check_single_process(os.environ)
+        return env, device_name
+    if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():  # torchrun sets them; under mpirun, accelerate does
+        raise GptforgeError(
+            f"rank {env.rank} of {world}: MASTER_ADDR and MASTER_PORT must name rank 0's host and a free port "
+            "(torchrun and accelerate launch set them; plain mpirun does not)"
+        )
     use_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(env.local_rank)
         device_name = f"cuda:{env.local_rank}"
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), rank=env.rank, world_size=world)
     if dist.get_world_size() != world:
         raise GptforgeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} processes")
     return env, device_name
+
+
+def check_single_process(environ: Mapping[str, str]) -> None:
+    """Refuse a world of one where `accelerate launch` was asked for more: without --multi_gpu or --mpirun_hostfile it
+    starts ONE process whatever `--num_processes` says, and sets MASTER_ADDR only when more were asked for."""
+    if "ACCELERATE_USE_CPU" in environ and "MASTER_ADDR" in environ:
+        raise GptforgeError(
+            "accelerate launch started 1 process, not the --num_processes/--num_machines asked for (its --cpu "
+            "launcher starts one unless given --mpirun_hostfile); use `accelerate launch --multi_gpu --num_processes "
+            "N` (gloo on CPUs), `--cpu --num_processes N --mpirun_hostfile FILE`, or `torchrun --nproc_per_node N`"
+        )
+
+
+# `accelerate launch --mixed_precision` (ACCELERATE_MIXED_PRECISION, "no" unless given) as train.dtype.
+ACCELERATE_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def launcher_overrides(overrides: list[str], environ: Mapping[str, str]) -> tuple[list[str], str]:
+    """`--set` overrides preceded by the train.dtype `accelerate launch --mixed_precision` asks for (so an explicit
+    `--set train.dtype` still wins), and a line saying which applies (on rank 0; "" outside accelerate launch)."""
+    precision = environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision is None:
+        return list(overrides), ""
+    if precision not in ACCELERATE_DTYPES:
+        raise GptforgeError(f"accelerate launch --mixed_precision {precision}: gptforge trains in no, bf16 or fp16")
+    asked = f"accelerate launch --mixed_precision {precision}"
+    explicit = [o for o in overrides if o.partition("=")[0].strip() == "train.dtype"]
+    note = (
+        f"{asked}: --set {explicit[-1]} takes precedence"
+        if explicit
+        else f"{asked}: train.dtype={ACCELERATE_DTYPES[precision]}"
+    )
+    return [f"train.dtype={ACCELERATE_DTYPES[precision]}", *overrides], note if launch_env(environ).is_main else ""
 
 
 # How gloo (and nccl in blocking mode) word a peer that did not answer in time, and one that went away.

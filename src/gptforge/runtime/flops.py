@@ -64,3 +64,33 @@ def cpu_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) ->
         a @ b
         fastest = min(fastest, time.perf_counter() - t)
     return 2 * n**3 / fastest
+
+
+def format_flops(flops: float) -> str:
+    """'257 GFLOP/s' or '989.4 TFLOP/s' (a CPU's peak no longer prints as '0.0 TFLOP/s')."""
+    if flops <= 0:
+        return "an unknown peak"
+    return f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.0f} GFLOP/s"
+
+
+def format_mfu(mfu: float | None) -> str:
+    return "n/a" if mfu is None else f"{mfu:.1%}"
+
+
+class Utilisation:
+    """MFU against a device's peak. A CPU peak probed while the machine was busy is too low: when a step beats it,
+    the probe runs again (a few times at most) and the higher figure stays; what still exceeds it reads None."""
+
+    REPROBES = 3
+
+    def __init__(self, peak: float, device: torch.device, dtype: torch.dtype) -> None:
+        self.peak, self.device, self.dtype, self.reprobes = peak, device, dtype, 0
+
+    def __call__(self, flops_per_s: float) -> float | None:
+        if self.peak <= 0:
+            return None
+        if flops_per_s > self.peak and self.device.type == "cpu" and self.reprobes < self.REPROBES:
+            self.reprobes += 1
+            self.peak = max(self.peak, cpu_matmul_flops(self.dtype))
+        mfu = flops_per_s / self.peak
+        return mfu if mfu <= 1.0 else None

@@ -1,4 +1,5 @@
-"""AdamW with GPT-3 parameter groups, and learning-rate schedules as pure functions."""
+"""AdamW with GPT-3 parameter groups (or Muon for the hidden matrices beside it), and learning-rate schedules as
+pure functions."""
 
 from __future__ import annotations
 
@@ -13,21 +14,73 @@ from gptforge.errors import GptforgeError
 
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimConfig, device_type: str, zero: bool = False
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | MuonAdamW:
     """Weight decay on >=2-D weights (matmuls, embeddings) only; fused AdamW on CUDA; `zero` shards its state
-    across the processes of the (initialized) process group."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    across the processes of the (initialized) process group. optim.optimizer=muon gives the blocks' matrices to
+    Muon and the rest (embeddings, lm_head, gains, biases) to AdamW."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = [p for n, p in named if cfg.optimizer == "muon" and p.dim() == 2 and ".h." in f".{n}"]
+    taken = {id(p) for p in muon}
+    rest = [p for _, p in named if id(p) not in taken]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **({"fused": True} if fused else {})}
+    if cfg.optimizer == "muon":
+        if zero:
+            raise GptforgeError(
+                "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
+            )
+        if not hasattr(torch.optim, "Muon"):
+            raise GptforgeError(
+                f"optim.optimizer=muon needs torch >= 2.9 (torch.optim.Muon); this is {torch.__version__}"
+            )
+        hidden = torch.optim.Muon(
+            muon, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True
+        )
+        return MuonAdamW(hidden, torch.optim.AdamW(groups, **kwargs), cfg.muon_lr / cfg.lr)
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+class MuonAdamW:
+    """Muon and AdamW stepped as one optimizer: what the trainer, GradScaler and checkpoints see."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer, muon_lr_ratio: float) -> None:
+        self.muon, self.adamw, self.muon_lr_ratio = muon, adamw, muon_lr_ratio
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [*self.muon.param_groups, *self.adamw.param_groups]
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule's lr for AdamW; Muon's keeps its configured ratio to it."""
+        for group in self.muon.param_groups:
+            group["lr"] = lr * self.muon_lr_ratio
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self, closure=None) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"muon", "adamw"}:
+            raise ValueError(f"expected a Muon + AdamW state, found keys {sorted(state)[:4]}")
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
 
 
 def warmup_lr(step: int, max_lr: float, warmup_steps: int) -> float:
@@ -71,7 +124,11 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     raise GptforgeError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+def set_lr(optimizer: torch.optim.Optimizer | MuonAdamW, lr: float) -> float:
+    """Set the schedule's lr (for MuonAdamW: AdamW's, Muon's in proportion); returns it for logging."""
+    if isinstance(optimizer, MuonAdamW):
+        optimizer.set_lr(lr)
+        return lr
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

@@ -21,7 +21,7 @@ from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, wrap
-from gptforge.runtime.flops import peak_flops
+from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.train.optim import build_optimizer, lr_at
 
 
@@ -126,11 +126,15 @@ def build(
 def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> str:
     """The run header: model size and shape, devices and precision, how the token batch is made up."""
     B, T = cfg.train.micro_batch, cfg.model.block_size
+    # Launchers set OMP_NUM_THREADS (torchrun and accelerate to 1 unless told): a CPU run says what it got.
+    n = torch.get_num_threads()
+    threads = f", {n} thread{'s' if n > 1 else ''} each" if s.device.type == "cpu" else ""
     return (
         f"model: {s.model.num_params():,} parameters, {s.model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
         f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, context {T}, vocab {cfg.model.vocab_size} "
-        f"({tokenizer_name}) | {world} x {s.device} {str(s.dtype)[6:]}{' compiled' if cfg.train.compile else ''}\n"
+        f"({tokenizer_name}) | {world} x {s.device} {str(s.dtype)[6:]}{' compiled' if cfg.train.compile else ''}"
+        f"{threads}\n"
         f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
         f"{world} process{'es' if world > 1 else ''} x {s.grad_accum} accumulation | "
-        f"MFU against {s.peak_flops / 1e12:,.1f} TFLOP/s ({s.peak_source})"
+        f"MFU against {format_flops(s.peak_flops)} ({s.peak_source})"
     )

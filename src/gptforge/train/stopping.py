@@ -97,6 +97,7 @@ class TimeBudget:
     def __init__(self, cfg: Config, has_val: bool, env: DistEnv, device: torch.device) -> None:
         self.seconds, self.env, self.device = cfg.train.time_budget, env, device
         self.eval_every = cfg.eval.every if has_val else 0
+        self.eval_points = cfg.eval.points if has_val else 0
         self._t_calibrate: float | None = None
         self.eval_seconds = 0.0
         """What one evaluation costs: each `eval_every` steps, and once more at the end."""
@@ -113,9 +114,9 @@ class TimeBudget:
             self._t_calibrate = now
         elif step == CALIBRATION_END and self._t_calibrate is not None:
             per_step = (now - self._t_calibrate) / (CALIBRATION_END - CALIBRATION_START)
-            if self.eval_every:
+            if self.eval_every and not self.eval_points:
                 per_step += self.eval_seconds / self.eval_every
-            left = self.seconds - elapsed - self.eval_seconds
+            left = self.seconds - elapsed - self.eval_seconds * (1 + self.eval_points)
             fitted = max(step, min(max_steps, step + int(left / per_step)))
             max_steps = broadcast_int(fitted, self.env, self.device)
             print0(self.env, f"time budget {self.seconds:.0f}s: {per_step:.2f}s/step -> {max_steps} steps")

@@ -21,6 +21,7 @@ from gptforge.files import atomic_write, locked
 from gptforge.rundir import CONFIG, METRICS, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import resolve_device
+from gptforge.runtime.flops import Utilisation, format_mfu
 from gptforge.train.checkpointer import Checkpointer, find_resume
 from gptforge.train.claim import claim_run_dir
 from gptforge.train.evaluator import Evaluator
@@ -78,6 +79,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
         metrics.write("resume", state.step, checkpoint=str(resume_from or ""), changes=changes)
     evaluate = Evaluator(cfg, s, data.tokenizer, data.has_val, metrics, run_dir, env)
     budget = TimeBudget(cfg, data.has_val, env, device)
+    utilisation = Utilisation(s.peak_flops, device, s.dtype)
 
     first_val = last_val = evaluate(state.step) if state.step == 0 else None
     budget.eval_seconds = evaluate.seconds  # the budget plans with the first evaluation's time
@@ -101,7 +103,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
             state.check_skips(cfg.train.max_skips, checkpointer.last_good)
         state.max_steps = budget.fit_steps(state.step, state.max_steps, now, elapsed)
 
-        mfu = s.model.flops_per_token(T) * step_tokens / dt / world / s.peak_flops if s.peak_flops else 0.0
+        mfu = utilisation(s.model.flops_per_token(T) * step_tokens / dt / world)
         metrics.write(
             "train",
             state.step,
@@ -120,9 +122,9 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
             print0(
                 f"step {state.step:>6}/{'?' if calibrating else state.max_steps} | loss {loss_value:.4f} | "
                 f"lr {lr:.2e} | norm {norm_value:.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
-                f"MFU {mfu:.1%} | ETA {'calibrating' if calibrating else format_duration(eta)}",
+                f"MFU {format_mfu(mfu)} | ETA {'calibrating' if calibrating else format_duration(eta)}",
             )
-        if state.step < state.max_steps and evaluate.due(state.step):
+        if state.step < state.max_steps and evaluate.due(state.step, state.max_steps):
             last_val = evaluate(state.step)
         if state.step < state.max_steps and checkpointer.due(state.step):
             checkpointer.save(state, batches)

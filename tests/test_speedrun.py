@@ -1,0 +1,83 @@
+"""`gptforge speedrun`: both recipes on one corpus, budget and seeds; time to quality read from the curves."""
+
+import json
+import subprocess
+
+import pytest
+from tests.helpers import cli
+
+from gptforge.errors import GptforgeError
+from gptforge.speedrun import Curve, compare, format_summary, read_curve, speedrun
+
+MODERN_TINY = """
+[model]
+block_size = 32
+n_layer = 2
+n_head = 2
+n_embd = 32
+norm = "rmsnorm"
+position = "rotary"
+qk_norm = true
+bias = false
+tie_embeddings = false
+mlp = "swiglu"
+zero_init = true
+
+[optim]
+optimizer = "muon"
+lr = 3e-3
+warmup_steps = 2
+schedule = "wsd"
+
+[train]
+micro_batch = 4
+batch_tokens = 256
+dtype = "float32"
+seed = 0
+"""
+
+
+def test_time_to_a_quality_interpolates_between_evaluations():
+    c = Curve(seconds=[0.0, 10.0, 20.0], bpb=[3.0, 2.0, 1.0], steps=20)
+    assert c.time_to(1.5) == pytest.approx(15.0)
+    assert c.time_to(2.0) == pytest.approx(10.0)
+    assert c.time_to(3.5) == 0.0
+    assert c.time_to(0.5) is None
+    base = Curve([0.0, 10.0, 20.0], [3.0, 2.5, 2.0], 20)
+    result = compare({"gpt2": base, "modern": c}, "gpt2", "modern")
+    assert result["time_to_baseline_final"] == pytest.approx(10.0) and result["time_share"] == pytest.approx(0.5)
+    assert result["lower_at_equal_time"] and result["modern"]["final_bpb"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def run(data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("speedrun")
+    (root / "modern-tiny.toml").write_text(MODERN_TINY)
+    recipes = {"gpt2": "tiny", "modern": str(root / "modern-tiny.toml")}
+    # A budget no run reaches on a loaded machine: 24 steps each, so the curves do not depend on its speed.
+    summary = speedrun(root / "out", 600, 2, data_dir, recipes, ["train.max_steps=24"])
+    return root, summary
+
+
+def test_each_recipe_trains_for_the_budget_on_every_seed_and_the_result_is_written(run):
+    root, summary = run
+    assert [r["seed"] for r in summary["seeds"]] == [0, 1]
+    for r in summary["seeds"]:
+        for name in ("gpt2", "modern"):
+            curve = read_curve(root / "out" / f"{name}-seed{r['seed']}")
+            assert curve.seconds == sorted(curve.seconds) and len(curve.bpb) == 13  # 12 points + the end
+            assert r[name]["final_bpb"] == curve.final and 0 < r[name]["seconds"] <= 600 and r[name]["steps"] == 24
+        share = r["time_share"]
+        assert share is None or share == pytest.approx(r["time_to_baseline_final"] / r["gpt2"]["seconds"])
+    saved = json.loads((root / "out" / "speedrun.json").read_text())
+    assert saved["seeds"] == summary["seeds"] and saved["recipes"]["modern"].endswith("modern-tiny.toml")
+    assert (root / "out" / "speedrun.png").read_bytes()[:4] == b"\x89PNG"
+    assert "median time to gpt2's quality" in format_summary(summary)
+
+
+def test_an_existing_result_is_replaced_only_with_force(run, data_dir):
+    root, _ = run
+    with pytest.raises(GptforgeError, match="--force"):
+        speedrun(root / "out", 3, 1, data_dir, {"gpt2": "tiny", "modern": "tiny"})
+    bad = subprocess.run(cli("speedrun", "--budget", "0"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--budget: expected a number >= 1.0, got '0'" in bad.stderr
