@@ -18,7 +18,7 @@ LAYERS = [
     {"hub"},
     {"eval"},  # above hub: the lm-eval bridge scores a checkpoint through its Hugging Face export
     {"train"},
-    {"bench", "sample", "report"},
+    {"bench", "sample", "report", "serve"},
     {"demo"},
     {"speedrun"},
     {"cli"},

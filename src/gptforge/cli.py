@@ -164,6 +164,19 @@ def cmd_speedrun(args: argparse.Namespace) -> None:
     print(to_json(summary) if args.json else format_summary(summary))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from gptforge.serve.app import serve
+        from gptforge.serve.protocol import Limits
+    except ImportError as e:  # the optional extra is not installed
+        raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
+
+    limits = Limits(args.max_tokens, args.max_n, queue=args.queue, request_timeout=args.request_timeout)
+    serve(
+        args.path, args.host, args.port, args.api_key, limits, tuple(args.cors), args.device, args.dtype, args.threads
+    )
+
+
 def _ks(text: str) -> tuple[int, ...]:
     """--k 1,10 -> (1, 10)."""
     try:
@@ -218,6 +231,7 @@ def build_parser() -> Parser:
     _add_data_commands(sub)
     _add_checkpoint_commands(sub)
     _add_run_commands(sub)
+    _add_serve_command(sub)
     return p
 
 
@@ -365,6 +379,33 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--force", action="store_true", help=FORCE_HELP)
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
     s.set_defaults(func=cmd_demo)
+
+
+def _add_serve_command(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible completions API + a web page with live curves (.[serve])")
+    s.add_argument("path", metavar="PATH", help="a run folder, a checkpoint or a folder of runs")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
+    s.add_argument("--port", type=_at_least(0), default=8000, help="TCP port (default 8000; 0 = any free port)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("GPTFORGE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 and /api (default: $GPTFORGE_API_KEY, unseen by `ps`)",
+    )
+    s.add_argument("--max-tokens", type=_at_least(1), default=1024, help="largest max_tokens a request may ask")
+    s.add_argument("--max-n", type=_at_least(1), default=8, help="largest n (completions per prompt)")
+    s.add_argument("--queue", type=_at_least(0), default=8, help="requests waiting while one generates; more: 429")
+    s.add_argument(
+        "--request-timeout", type=_at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
+    )
+    s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="allow browser calls from ORIGIN")
+    s.add_argument(
+        "--threads",
+        type=_at_least(1),
+        help="CPU threads for generation (default: torch's; 1 beside a CPU training run)",
+    )
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    s.set_defaults(func=cmd_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

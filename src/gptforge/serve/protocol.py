@@ -1,0 +1,148 @@
+"""The OpenAI completions protocol: a request checked against the server's limits, errors in OpenAI's body,
+and the response and stream-chunk objects."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Accepted only at the value that means "off": clients send them, gptforge does not implement them.
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "suffix": None, "logit_bias": {}}
+IGNORED = {"user", "best_of"}  # best_of is checked to equal n below
+
+
+class ApiError(Exception):
+    """An error answered with `status` and OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What keeps one machine healthy: caps per request, and how many requests may be in flight."""
+
+    max_tokens: int = 1024
+    max_n: int = 8
+    max_body_bytes: int = 1 << 20
+    queue: int = 8  # requests waiting while one generates; more are answered 429
+    request_timeout: float = 120.0  # seconds from arrival, waiting included; then the text so far ends as "length"
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompts: list[str | list[int]]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+
+def _number(body: dict, key: str, default, low: float, high: float, integer: bool = False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not math.isfinite(value) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise ApiError(400, f"'{key}' must be {kind} in [{low}, {high}], got {value!r}", key, "invalid_value")
+    return value
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """prompt: a string, a list of strings, a list of token ids or a list of such lists."""
+
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or is_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
+        return list(value)
+    raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+
+
+def _stop(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value if value is not None else []
+    if not (isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    return stops
+
+
+def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+    """A /v1/completions body, checked: an unknown argument or a value out of range is a 400 naming it."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "expected a JSON object as the request body")
+    known = set(CompletionRequest.__dataclass_fields__) - {"prompts", "include_usage"}
+    extra = set(body) - known - {"prompt", "stream_options"} - set(NEUTRAL) - IGNORED
+    if extra:
+        raise ApiError(400, f"unrecognized request argument supplied: {', '.join(sorted(extra))}", sorted(extra)[0])
+    for key, neutral in NEUTRAL.items():
+        if body.get(key, neutral) not in (neutral, None):
+            raise ApiError(400, f"'{key}' is not supported by gptforge serve (leave it unset)", key, "unsupported")
+    if not isinstance(body.get("model"), str):
+        raise ApiError(400, "'model' must be a string (GET /v1/models lists them)", "model")
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    req = CompletionRequest(
+        model=body["model"],
+        prompts=_prompts(body["prompt"]),
+        max_tokens=_number(body, "max_tokens", 16, 1, limits.max_tokens, integer=True),
+        temperature=_number(body, "temperature", 1.0, 0, 2),
+        top_p=_number(body, "top_p", None, 1e-9, 1),
+        top_k=_number(body, "top_k", None, 0, 1 << 30, integer=True) or None,
+        n=_number(body, "n", 1, 1, limits.max_n, integer=True),
+        stop=_stop(body.get("stop")),
+        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        stream=_flag(body, "stream"),
+        echo=_flag(body, "echo"),
+    )
+    if body.get("best_of") not in (None, req.n):
+        raise ApiError(400, "'best_of' other than n is not supported", "best_of", "unsupported")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    req.include_usage = bool(options.get("include_usage"))
+    return req
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be true or false, got {value!r}", key)
+    return bool(value)
+
+
+def completion_object(rid: str, model: str, fingerprint: str, choices: list[dict], usage: dict | None) -> dict:
+    """A text_completion object: the whole response, or one streamed chunk (then usage is None)."""
+    out = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+    }
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}

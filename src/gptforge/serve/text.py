@@ -1,0 +1,52 @@
+"""One completion's text as its tokens arrive: what is safe to send now, and where a stop sequence ends it."""
+
+from __future__ import annotations
+
+from gptforge.data.tokenizer import Tokenizer
+
+
+class Continuation:
+    """Decodes the tokens so far; holds back a multi-byte character's first bytes and any tail that could be
+    the start of a stop sequence, so streamed pieces always add up to the final text."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of self.text already handed out
+        self.finish_reason: str | None = None
+
+    def add(self, token: int) -> str:
+        """The text to send after `token`; sets finish_reason 'stop' when a stop sequence appears."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
+            return ""
+        cut = min((i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish_reason = text[:cut], "stop"
+            return self._release(cut)
+        self.text = text
+        return self._release(len(text) - self._held(text))
+
+    def end(self, reason: str) -> str:
+        """The rest of the text (a cut multi-byte character included), ending with `reason`."""
+        if self.finish_reason is None:
+            self.text = self.tokenizer.decode(self.ids) if self.ids else self.text
+            self.finish_reason = reason
+        return self._release(len(self.text))
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that a stop sequence starts with."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text) - self.sent), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        piece = self.text[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return piece

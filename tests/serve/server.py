@@ -1,0 +1,31 @@
+"""`gptforge serve` in a subprocess, for the tests that talk to it over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import subprocess
+import threading
+
+from tests.helpers import cli
+
+
+@contextlib.contextmanager
+def serving(path, *flags, log=None):
+    """`gptforge serve PATH --port 0 --threads 1 FLAGS` in a subprocess; yields its base URL (http://127.0.0.1:PORT).
+    One thread: the tests' machine runs other work beside it (see --threads in the README)."""
+    with open(log, "w") if log else contextlib.nullcontext(subprocess.DEVNULL) as err:
+        server = subprocess.Popen(
+            cli("serve", path, "--port", "0", "--threads", "1", *flags), stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        try:
+            lines: queue.Queue = queue.Queue()
+            threading.Thread(target=lambda: lines.put(server.stdout.readline()), daemon=True).start()
+            first = lines.get(timeout=120)
+            url = re.search(r"http://127\.0\.0\.1:\d+", first)
+            assert url, f"no address in {first!r} (exit code {server.poll()})"
+            yield url.group(0)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)

@@ -1,0 +1,157 @@
+"""The server's pieces in-process: stop sequences across tokens, the time limit, picking up a newer checkpoint,
+what PATH may be, the binding rule, and CORS only when asked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+import time
+
+import pytest
+
+from gptforge.cli import main
+from gptforge.serve.engine import Engine, Job
+from gptforge.serve.protocol import ApiError, Limits, parse_completion
+from gptforge.serve.runs import check_root, find_sources
+from gptforge.serve.text import Continuation
+
+testclient = pytest.importorskip("starlette.testclient")
+
+
+class Pieces:
+    """A tokenizer whose tokens are byte strings: `decode` replaces a cut UTF-8 character, as GPT-2's does."""
+
+    def __init__(self, *pieces: bytes) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def feed(text: Continuation, ids) -> list[str]:
+    return [text.add(i) for i in ids if text.finish_reason is None]
+
+
+def test_a_stop_sequence_split_across_tokens_is_held_back_then_cut():
+    tok = Pieces(b"ab", b"c#", b"#d", b"e")
+    text = Continuation(tok, ["##", "zz"])
+    assert feed(text, [0, 1, 2, 3]) == ["ab", "c", ""]  # '#' is held: it may start '##'
+    assert (text.text, text.finish_reason, text.end("length")) == ("abc", "stop", "")
+
+
+def test_held_text_is_released_when_the_stop_does_not_follow_and_a_cut_character_waits():
+    euro = "€".encode()
+    tok = Pieces(b"x#", b"y", euro[:2], euro[2:], b"#")
+    text = Continuation(tok, ["##"])
+    assert feed(text, [0, 1, 2, 3, 4]) == ["x", "#y", "", "€", ""]
+    assert text.end("length") == "#" and text.finish_reason == "length" and text.text == "x#y€#"
+
+
+def completion(engine: Engine, body: dict, deadline: float | None = None) -> list[tuple]:
+    """Run one request on the calling thread; its events."""
+    events: list[tuple] = []
+    engine.admit()
+    req = parse_completion({"model": "run", "prompt": "def", **body}, engine.limits)
+    engine.work(Job(req, events.append, time.monotonic() + 60 if deadline is None else deadline))
+    return events
+
+
+def test_the_time_limit_ends_every_choice_as_length_and_the_newest_checkpoint_is_used(runs_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs_dir / "alpha", run, ignore=shutil.ignore_patterns("step_000004"))
+    engine = Engine(tmp_path, Limits())
+    events = completion(engine, {"max_tokens": 5, "n": 2}, deadline=time.monotonic())
+    assert events == [("start", "step_000002"), ("finish", 0, "length"), ("finish", 1, "length"), events[-1]]
+    assert events[-1][0] == "done" and events[-1][1]["completion_tokens"] == 0
+
+    shutil.copytree(runs_dir / "alpha" / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
+    events = completion(engine, {"max_tokens": 3, "temperature": 0})
+    assert events[0] == ("start", "step_000004") and events[-1][0] == "done" and engine.in_flight == 0
+
+
+def test_requests_past_the_queue_are_refused_and_errors_carry_openai_fields(runs_dir):
+    engine = Engine(runs_dir, Limits(queue=1))
+    engine.admit(), engine.admit()
+    with pytest.raises(ApiError) as caught:
+        engine.admit()
+    assert caught.value.status == 429 and caught.value.body()["error"]["type"] == "rate_limit_error"
+    engine.in_flight = 0
+    error = completion(engine, {"model": "nope"})[-1][1]
+    assert (error.status, error.code) == (404, "model_not_found")
+
+
+def test_serve_path_is_a_run_a_checkpoint_or_a_folder_of_runs_and_nothing_outside(runs_dir, tmp_path):
+    assert list(find_sources(check_root(runs_dir))) == ["alpha", "beta"]
+    assert list(find_sources(check_root(runs_dir / "alpha"))) == ["alpha"]
+    ckpt = find_sources(check_root(runs_dir / "alpha" / "checkpoints" / "step_000002"))["step_000002"]
+    assert ckpt.is_checkpoint and ckpt.newest_checkpoint() == ckpt.folder
+    (tmp_path / "outside").symlink_to(runs_dir / "alpha")
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "inside" / "metrics.jsonl").write_text("")
+    assert list(find_sources(check_root(tmp_path))) == ["inside"]  # the link leads beyond PATH
+
+
+def test_binding_another_address_needs_a_key_and_a_busy_port_is_one_line(runs_dir, capsys):
+    assert main(["serve", str(runs_dir), "--host", "0.0.0.0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gptforge serve: error: --host 0.0.0.0 lets anyone who can reach this machine"), err
+    assert "--api-key KEY" in err and err.count("\n") == 1
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", str(runs_dir), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptforge serve: error: --host 127.0.0.1 --port {port}: cannot listen there"), err
+
+
+def test_a_missing_path_is_one_line(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nope")]) == 1
+    assert "nope: not a folder (expected a run folder, a checkpoint or a folder of runs)" in capsys.readouterr().err
+
+
+def test_no_cors_unless_asked_and_no_path_outside_the_runs(runs_dir):
+    from gptforge.serve.app import build_app
+
+    origin = {"Origin": "https://elsewhere.example"}
+    plain = testclient.TestClient(build_app(runs_dir))
+    assert "access-control-allow-origin" not in plain.get("/api/runs", headers=origin).headers
+    for path in (
+        "/api/runs/..%2F..%2Fetc/config",
+        "/api/runs/../samples",
+        "/static/../runs.py",
+        "/static/%2e%2e/app.py",
+    ):
+        assert plain.get(path).status_code == 404, path
+    allowed = testclient.TestClient(build_app(runs_dir, cors=("https://elsewhere.example",)))
+    assert allowed.get("/api/runs", headers=origin).headers["access-control-allow-origin"] == origin["Origin"]
+
+
+def test_without_the_serve_extra_the_command_says_how_to_get_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without .[serve] looks like to `import`
+    monkeypatch.delitem(sys.modules, "gptforge.serve.app", raising=False)
+    assert main(["serve", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        "gptforge serve: error: serve needs its extra: pip install 'gptforge[serve]' (missing uvicorn)\n"
+    )
+
+
+def test_the_page_gets_a_long_log_in_at_most_2000_points_and_only_when_it_changed(tmp_path):
+    from gptforge.serve.app import build_app
+
+    run = tmp_path / "long"
+    run.mkdir()
+    train = {"kind": "train", "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 0.0, "tokens": 8}
+    lines = [json.dumps({**train, "step": s, "loss": float(s % 2)}) for s in range(1, 5001)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    client = testclient.TestClient(build_app(tmp_path))
+    first = client.get("/api/runs/long/metrics").json()
+    steps, losses = first["train"]["step"], first["train"]["loss"]
+    assert len(steps) == 1667 and steps[:2] == [3, 6] and steps[-1] == 5000  # buckets of 3 records, averaged
+    assert losses[:2] == [2 / 3, 1 / 3] and first["val"] == {"step": [], "loss": [], "bpb": []}
+    again = client.get("/api/runs/long/metrics", params={"version": first["version"]}).json()
+    assert again == {"version": first["version"], "unchanged": True}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**train, "step": 5001, "loss": 0.5}) + "\n")
+    grown = client.get("/api/runs/long/metrics", params={"version": first["version"]}).json()
+    assert grown["train"]["step"][-1] == 5001

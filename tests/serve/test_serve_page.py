@@ -1,0 +1,88 @@
+"""The web page in a real headless Chromium (the system's, driven by Playwright): no console errors, the curves
+of both runs, live updates while metrics.jsonl grows, and a typed prompt streaming a completion."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from tests.serve.server import serving
+
+pytest.importorskip("uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (.ci/run installs it)")
+WAIT_MS = 60_000  # generous: a bound for a busy CI machine, not a measurement
+
+
+@pytest.fixture(scope="module")
+def runs(runs_dir, tmp_path_factory):
+    """A copy of the runs, which these tests grow as training would."""
+    return shutil.copytree(runs_dir, tmp_path_factory.mktemp("page") / "runs")
+
+
+@pytest.fixture(scope="module")
+def server(runs, tmp_path_factory):
+    with serving(runs, log=tmp_path_factory.mktemp("log") / "serve.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """The page loaded and drawn; fails the test if the browser logged an error or warning meanwhile."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems = []
+    page.on("console", lambda m: problems.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: problems.append(f"exception: {e}"))
+    page.goto(server)
+    page.wait_for_selector("#chart-tps .u-legend", timeout=WAIT_MS)
+    yield page
+    page.close()
+    assert problems == []
+
+
+def test_the_page_shows_both_runs_curves_and_updates_them_as_training_logs(page, runs):
+    for chart in ("loss", "bpb", "lr", "tps"):
+        assert page.locator(f"#chart-{chart} canvas").count() == 1
+    legend = page.inner_text("#chart-loss .u-legend")
+    for label in ("alpha train", "alpha val", "beta train", "beta val"):
+        assert label in legend
+    assert page.inner_text("#status").startswith("step 4")
+    assert "step 4" in page.inner_text("#samples") and "[model]" in page.text_content("#config")
+
+    record = {"kind": "train", "step": 5, "time": 9.0, "loss": 9.5, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0}
+    record |= {"tokens": 1280, "tokens_per_s": 1000.0, "mfu": 0.0, "skipped": False}
+    with open(runs / "alpha" / "metrics.jsonl", "a") as f:  # what `gptforge train` does each step
+        f.write(json.dumps(record) + "\n")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('step 5')", timeout=WAIT_MS)
+
+
+def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, server, runs):
+    checkpoints = runs / "alpha" / "checkpoints"
+    shutil.copytree(checkpoints / "step_000004", checkpoints / "step_000006")  # training writes a newer one
+    page.wait_for_function("document.getElementById('checkpoint').textContent.includes('step_000006')", timeout=WAIT_MS)
+    page.fill("#prompt", "def add_all")
+    page.fill("#max-tokens", "12")
+    page.fill("#temperature", "0")
+    page.evaluate(  # count the pieces the page appends: a stream adds the text chunk by chunk
+        "window.pieces = 0; new MutationObserver((ms) => { window.pieces += ms.length; })"
+        ".observe(document.getElementById('out-text'), {childList: true, characterData: true, subtree: true})"
+    )
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('out-info').textContent.includes('finished')", timeout=WAIT_MS)
+    body = {"model": "alpha", "prompt": "def add_all", "max_tokens": 12, "temperature": 0}
+    expected = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert page.inner_text("#out-prompt") == "def add_all"
+    assert page.text_content("#out-text") == expected
+    assert page.inner_text("#out-info").startswith("step_000006 · finished: ")
+    assert page.evaluate("window.pieces") > 2
