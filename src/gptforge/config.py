@@ -108,8 +108,6 @@ class TrainConfig:
 class EvalConfig:
     every: int = 250
     """Validate every N steps (and at the first and last step); 0: only at the start and the end."""
-    points: int = 0
-    """Instead of `every`: validate about this many times, evenly over the run's steps (a time budget's too)."""
     tokens: int = 1_048_576
     """Validation tokens per evaluation: whole batches of windows spread evenly over the split (capped by its size)."""
     hellaswag: str = ""
@@ -258,7 +256,6 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.dist_timeout": _POSITIVE,
     "train.peak_flops": _at_least(0),
     "eval.every": _at_least(0),
-    "eval.points": _at_least(0),
     "eval.tokens": _at_least(1),
     "eval.hellaswag_limit": _at_least(0),
     "eval.sample_tokens": _at_least(0),

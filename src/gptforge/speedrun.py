@@ -19,8 +19,8 @@ from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked,
 from gptforge.rundir import finite, read_metrics
 from gptforge.train.trainer import train
 
-# What every run of a speedrun shares: about a dozen evaluations on the same validation tokens, nothing else.
-SHARED = ["eval.points=12", "eval.tokens=32768", "eval.sample_tokens=0", "eval.hellaswag=", "checkpoint.every=0"]
+# What every run of a speedrun shares: an evaluation every 5 steps on the same validation tokens, nothing else.
+SHARED = ["eval.every=5", "eval.tokens=32768", "eval.sample_tokens=0", "eval.hellaswag=", "checkpoint.every=0"]
 
 
 @dataclass

@@ -29,6 +29,13 @@ def test_evaluations_are_planned_for_and_max_steps_is_a_ceiling():
     b.eval_seconds = 5.0  # 1 + 5/10 s per step; the final evaluation's 5 s reserved
     b.fit_steps(CALIBRATION_START, 10_000, now=10.0, elapsed=10.0)
     assert b.fit_steps(CALIBRATION_END, 10_000, now=30.0, elapsed=30.0) == CALIBRATION_END + int(65 / 1.5)
+    # Evaluations inside the calibration window are not part of the steps' pace: 4 of 5 s each there.
+    inside = budget(100, eval_every=5)
+    inside.eval_seconds = 5.0
+    inside.fit_steps(CALIBRATION_START, 10_000, now=10.0, elapsed=10.0)
+    for _ in range(4):
+        inside.evaluated(5.0)
+    assert inside.fit_steps(CALIBRATION_END, 10_000, now=50.0, elapsed=50.0) == CALIBRATION_END + int(45 / 2.0)
     short = budget(100)
     short.fit_steps(CALIBRATION_START, 40, now=10.0, elapsed=10.0)
     assert short.fit_steps(CALIBRATION_END, 40, now=30.0, elapsed=30.0) == 40

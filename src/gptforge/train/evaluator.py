@@ -23,8 +23,7 @@ from gptforge.train.setup import TrainSetup
 
 
 class Evaluator:
-    """Runs at step 0, every `eval.every` steps (or at `eval.points` even steps) and at the end, when the data
-    has a validation split."""
+    """Runs at step 0, every `eval.every` steps and at the end, when the data has a validation split."""
 
     def __init__(
         self,
@@ -44,10 +43,8 @@ class Evaluator:
         self.seconds = 0.0
         """How long the last evaluation took (the time budget plans with the first one's)."""
 
-    def due(self, step: int, max_steps: int) -> bool:
-        points = self.cfg.eval.points
-        every = max(1, max_steps // points) if points else self.cfg.eval.every
-        return self.val_loader is not None and bool(every) and step % every == 0
+    def due(self, step: int) -> bool:
+        return self.val_loader is not None and bool(self.cfg.eval.every) and step % self.cfg.eval.every == 0
 
     def __call__(self, step: int) -> dict[str, float] | None:
         """The validation result at `step` (None without a validation split); HellaSwag and the sample with it."""

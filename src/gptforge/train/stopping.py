@@ -97,8 +97,8 @@ class TimeBudget:
     def __init__(self, cfg: Config, has_val: bool, env: DistEnv, device: torch.device) -> None:
         self.seconds, self.env, self.device = cfg.train.time_budget, env, device
         self.eval_every = cfg.eval.every if has_val else 0
-        self.eval_points = cfg.eval.points if has_val else 0
         self._t_calibrate: float | None = None
+        self._eval_total = self._eval_at_calibrate = 0.0  # evaluation seconds so far, and when calibration began
         self.eval_seconds = 0.0
         """What one evaluation costs: each `eval_every` steps, and once more at the end."""
 
@@ -111,16 +111,22 @@ class TimeBudget:
         if self.seconds <= 0:
             return max_steps
         if step == CALIBRATION_START:
-            self._t_calibrate = now
+            self._t_calibrate, self._eval_at_calibrate = now, self._eval_total
         elif step == CALIBRATION_END and self._t_calibrate is not None:
-            per_step = (now - self._t_calibrate) / (CALIBRATION_END - CALIBRATION_START)
-            if self.eval_every and not self.eval_points:
+            # The steps' own pace: evaluations inside the window are planned for separately below.
+            training = now - self._t_calibrate - (self._eval_total - self._eval_at_calibrate)
+            per_step = training / (CALIBRATION_END - CALIBRATION_START)
+            if self.eval_every:
                 per_step += self.eval_seconds / self.eval_every
-            left = self.seconds - elapsed - self.eval_seconds * (1 + self.eval_points)
+            left = self.seconds - elapsed - self.eval_seconds
             fitted = max(step, min(max_steps, step + int(left / per_step)))
             max_steps = broadcast_int(fitted, self.env, self.device)
             print0(self.env, f"time budget {self.seconds:.0f}s: {per_step:.2f}s/step -> {max_steps} steps")
         return max_steps
+
+    def evaluated(self, seconds: float) -> None:
+        """An evaluation during the loop took `seconds` (kept out of the steps' measured pace)."""
+        self._eval_total += seconds
 
     def stop_vote(self, stop: StopSignal, elapsed: float) -> str | None:
         """Why every rank should stop after this step, or None: any rank's signal, or rank 0 out of time."""

@@ -124,8 +124,9 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
                 f"lr {lr:.2e} | norm {norm_value:.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
                 f"MFU {format_mfu(mfu)} | ETA {'calibrating' if calibrating else format_duration(eta)}",
             )
-        if state.step < state.max_steps and evaluate.due(state.step, state.max_steps):
+        if state.step < state.max_steps and evaluate.due(state.step):
             last_val = evaluate(state.step)
+            budget.evaluated(evaluate.seconds)
         if state.step < state.max_steps and checkpointer.due(state.step):
             checkpointer.save(state, batches)
         # Every rank must leave the loop at the same step.
