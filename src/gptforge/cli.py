@@ -372,7 +372,7 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
-    s.add_argument("--config", default=None, help="preset (default: the demo's recipe; demo-cpu is GPT-2's)")
+    s.add_argument("--config", default=None, help="preset (default: modern-cpu; demo-cpu is the GPT-2 recipe)")
     s.add_argument(
         "--time-budget", type=_at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
     )
