@@ -345,10 +345,13 @@ def test_cli_refusals_are_one_line(tmp_path):
 
 
 # Run in a subprocess: the real CLI, with a source that never ends so Ctrl-C always lands mid-run.
+# A background job of a non-interactive shell (CI started with `&`) inherits SIGINT ignored: a terminal's would not.
 ENDLESS_PREPARE = """
-import itertools, sys, time
+import itertools, signal, sys, time
 import gptforge.data.prepare as prep
 from gptforge.cli import main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def endless(source, field):
     for i in itertools.count():
