@@ -85,7 +85,7 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps."""
     dtype: str = "auto"
-    """auto, float32, bfloat16 or float16: autocast dtype. auto = bf16 on GPUs and on CPUs with native bf16."""
+    """auto, float32, bfloat16 or float16: autocast dtype; auto = bf16 on GPUs and on CPUs where it measures faster."""
     compile: bool = False
     """torch.compile the model for training (evaluation and sampling keep working)."""
     zero: bool = False
@@ -276,8 +276,12 @@ def validate(cfg: Config, where: str = "") -> Config:
             raise GptforgeError(f"{where}{dotted}={value!r} (expected {allowed})")
     if cfg.model.n_embd % cfg.model.n_head:
         raise GptforgeError(
-            f"{where}: model.n_head={cfg.model.n_head} must divide model.n_embd={cfg.model.n_embd} "
+            f"{where}model.n_head={cfg.model.n_head} must divide model.n_embd={cfg.model.n_embd} "
             "(each head gets n_embd / n_head dimensions)"
+        )
+    if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
+        raise GptforgeError(
+            f"{where}optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
         )
     return cfg
 

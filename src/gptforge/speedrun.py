@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
+from gptforge.data.shards import read_manifest
 from gptforge.demo import VAL_FRACTION, VOCAB_SIZE
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked, swap_dir, temp_dir_for, write_json
@@ -78,12 +79,14 @@ def speedrun(
     overrides: list[str] = (),
     force: bool = False,
 ) -> dict:
-    """Train each recipe (name -> preset; the first is the baseline) for `budget` seconds per seed into
-    OUT/NAME-seedN, then compare them; writes OUT/speedrun.json and OUT/speedrun.png."""
+    """Train each recipe (name -> preset; the first is the baseline) for `budget` seconds with seeds S, S+1, ...
+    (S: the first preset's train.seed) into OUT/NAME-seedS, then compare them; writes speedrun.json and .png."""
     recipes = recipes or {"gpt2": "demo-cpu", "modern": "modern-cpu"}
     out_dir = Path(out)
     data_dir = Path(data) if data else Path("data/stdlib")
     configs = {name: load_config(preset, [*overrides, f"data.path={data_dir}"]) for name, preset in recipes.items()}
+    if data is not None:
+        read_manifest(data_dir)  # a folder that is not prepared data fails here, before OUT exists
     check_output_dir(out_dir, force, reads=[data_dir])
     if data is None:  # the demo's corpus, prepared once and reused
         prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
@@ -91,7 +94,8 @@ def speedrun(
         replacing = not is_empty_dir(out_dir)
         work = temp_dir_for(out_dir) if replacing else out_dir  # a previous result stays until this one is done
         work.mkdir(parents=True, exist_ok=True)
-        results = [_one_seed(i, configs, recipes, budget, work) for i in range(seeds)]
+        first = next(iter(configs.values())).train.seed
+        results = [_one_seed(first + i, configs, recipes, budget, work) for i in range(seeds)]
         summary = _summary(results, recipes, budget, data_dir, work)
         write_json(work / "speedrun.json", summary)
         if replacing:
@@ -100,16 +104,15 @@ def speedrun(
     return summary
 
 
-def _one_seed(i: int, configs: dict, recipes: dict[str, str], budget: float, work: Path) -> dict:
-    """Train every recipe with its preset's seed + i for `budget` seconds; compare the first two."""
+def _one_seed(seed: int, configs: dict, recipes: dict[str, str], budget: float, work: Path) -> dict:
+    """Train every recipe with `seed` for `budget` seconds into WORK/NAME-seedSEED; compare the first two."""
     curves = {}
     for name, cfg in configs.items():
-        seed = cfg.train.seed + i
         run_cfg = load_config(overrides=[*SHARED, f"train.time_budget={budget}", f"train.seed={seed}"], base=cfg)
         print(f"=== speedrun: {name} ({recipes[name]}), seed {seed}, {budget:.0f}s ===", flush=True)
-        train(run_cfg, work / f"{name}-seed{i}")
-        curves[name] = read_curve(work / f"{name}-seed{i}")
-    return {"seed": i, **compare(curves, *list(recipes)[:2])}
+        train(run_cfg, work / f"{name}-seed{seed}")
+        curves[name] = read_curve(work / f"{name}-seed{seed}")
+    return {"seed": seed, **compare(curves, *list(recipes)[:2])}
 
 
 def _summary(results: list[dict], recipes: dict[str, str], budget: float, data_dir: Path, work: Path) -> dict:

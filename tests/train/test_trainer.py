@@ -171,3 +171,26 @@ def test_batch_ramp_grows_the_step(data_dir, tmp_path):
     tokens = [r["tokens"] for r in records if r["kind"] == "train"]
     # 128 tokens per micro-batch, up to 4: ceil(4 * (seen + 1) / 600) micro-batches per step.
     assert tokens == [128, 256, 512, 1024, 1536] and result.tokens == 1536  # 1, 1, 2, 4, 4 micro-batches
+
+
+def test_auto_precision_is_measured_recorded_and_kept_on_resume(data_dir, tmp_path, monkeypatch):
+    from gptforge.runtime import device
+
+    # A CPU that reports native bf16 but runs it slower than fp32 (the Xeon of RESULTS.md) trains in fp32.
+    device.cpu_bf16_is_faster.cache_clear()
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(
+        "gptforge.runtime.flops.cpu_matmul_flops", lambda dtype, **_: {torch.bfloat16: 150e9}.get(dtype, 270e9)
+    )
+    assert device.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    train(tiny_cfg(data_dir, "train.dtype=auto", "train.max_steps=2", "checkpoint.every=2"), tmp_path / "run")
+    assert 'dtype = "float32"' in (tmp_path / "run" / "config.toml").read_text()
+    # The same machine now measuring bf16 faster does not change a resumed run's precision.
+    device.cpu_bf16_is_faster.cache_clear()
+    monkeypatch.setattr(
+        "gptforge.runtime.flops.cpu_matmul_flops", lambda dtype, **_: {torch.bfloat16: 700e9}.get(dtype, 270e9)
+    )
+    assert device.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    result = train(tiny_cfg(data_dir, "train.dtype=auto", "train.max_steps=4"), tmp_path / "run", resume="auto")
+    assert result.config.train.dtype == "float32" and result.steps == 4
+    device.cpu_bf16_is_faster.cache_clear()

@@ -29,10 +29,6 @@ def build_optimizer(
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **({"fused": True} if fused else {})}
     if cfg.optimizer == "muon":
-        if zero:
-            raise GptforgeError(
-                "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
-            )
         if not hasattr(torch.optim, "Muon"):
             raise GptforgeError(
                 f"optim.optimizer=muon needs torch >= 2.9 (torch.optim.Muon); this is {torch.__version__}"

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from gptforge.checkpoint import META, load_checkpoint
+from gptforge.checkpoint import META, load_checkpoint, read_meta
 from gptforge.config import Config
 from gptforge.data.shards import read_manifest
 from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
-from gptforge.runtime.device import resolve_dtype, setup_fast_math
-from gptforge.runtime.distributed import DistEnv, wrap
+from gptforge.runtime.device import DTYPES, dtype_name, resolve_dtype, setup_fast_math
+from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.train.optim import build_optimizer, lr_at
 
@@ -74,6 +74,18 @@ def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str,
     # An absolute data path, so config.toml and checkpoints still find the data from another working directory.
     data_cfg = dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve()))
     return dataclasses.replace(cfg, model=model_cfg, data=data_cfg), weights
+
+
+def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_from: Path | None) -> Config:
+    """train.dtype 'auto' made concrete, so config.toml and checkpoints say what ran: on resume the checkpoint's,
+    else this machine's pick (rank 0's on CPU, where it is measured, so that every rank computes alike)."""
+    if cfg.train.dtype != "auto":
+        return cfg
+    saved = read_meta(resume_from)["config"]["train"].get("dtype", "auto") if resume_from else "auto"
+    name = saved if saved != "auto" else dtype_name(resolve_dtype("auto", device))
+    if device.type == "cpu" and env.distributed:
+        name = list(DTYPES)[broadcast_int(list(DTYPES).index(name), env, device)]
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
 
 
 def grad_accumulation(cfg: Config, world: int) -> int:

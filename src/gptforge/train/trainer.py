@@ -27,7 +27,7 @@ from gptforge.train.claim import claim_run_dir
 from gptforge.train.evaluator import Evaluator
 from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.optim import lr_at, set_lr
-from gptforge.train.setup import build, open_data, resolve_config, run_header
+from gptforge.train.setup import build, open_data, resolve_config, resolve_precision, run_header
 from gptforge.train.state import TrainState, ramp_accumulation
 from gptforge.train.step import train_step
 from gptforge.train.stopping import StopSignal, TimeBudget
@@ -66,6 +66,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     data = open_data(cfg)
     cfg, init_weights = resolve_config(cfg, data.tokenizer)
     resume_from = _claim(run_dir, resume, cfg.data.path, env, cleanup)
+    cfg = resolve_precision(cfg, device, env, resume_from)
     s = build(cfg, env, device, init_weights)
     print0(run_header(cfg, s, data.tokenizer.name, env.world_size))
     B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
@@ -105,17 +106,9 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
 
         mfu = utilisation(s.model.flops_per_token(T) * step_tokens / dt / world)
         metrics.write(
-            "train",
-            state.step,
-            loss=loss_value,
-            lr=lr,
-            grad_norm=norm_value,
-            ms=dt * 1000,
-            tokens=state.tokens,
-            tokens_per_s=step_tokens / dt,
-            mfu=mfu,
-            skipped=state.skipped,
-        )
+            "train", state.step, loss=loss_value, lr=lr, grad_norm=norm_value, ms=dt * 1000, tokens=state.tokens,
+            tokens_per_s=step_tokens / dt, mfu=mfu, skipped=state.skipped,
+        )  # fmt: skip
         if state.step % max(1, cfg.log.every) == 0 or state.step == state.max_steps:
             eta = (time.perf_counter() - t_loop) / (state.step - step_loop) * (state.max_steps - state.step)
             calibrating = budget.calibrating(state.step)
