@@ -22,6 +22,7 @@ VARIANTS = {  # architecture -> our fields
     "LlamaForCausalLM": dict(qk_norm=False, bias=True, tie_embeddings=False),
     "LlamaForCausalLM-tied": dict(qk_norm=False, bias=False, tie_embeddings=True),
     "ArceeForCausalLM": dict(qk_norm=False, bias=True, tie_embeddings=False, mlp="relu2"),
+    "ApertusForCausalLM-tied": dict(qk_norm=True, bias=False, tie_embeddings=True, mlp="relu2"),
 }
 
 
@@ -97,8 +98,8 @@ def test_a_transformers_written_llama_or_qwen3_imports_with_parity(tmp_path, kin
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (dict(mlp="relu2", qk_norm=True), "model.mlp=relu2 with model.qk_norm=true: no transformers architecture"),
-        (dict(qk_norm=True, bias=True), "model.bias=true with model.qk_norm=true: Qwen3 has no MLP biases"),
+        (dict(qk_norm=True, bias=True), "model.bias=true with model.qk_norm=true: Qwen3 and Apertus have no MLP"),
+        (dict(mlp="relu2", qk_norm=True, bias=True), "model.bias=true with model.qk_norm=true: Qwen3 and Apertus"),
         (dict(norm="layernorm"), "model.norm=layernorm: Llama/Qwen3 use RMSNorm; export supports gpt2 models"),
         (dict(position="learned"), "model.position=learned: Llama/Qwen3 use rotary positions"),
         (dict(mlp="gelu"), "model.mlp=gelu: Llama/Qwen3 gate their MLP"),
@@ -135,7 +136,10 @@ def test_zero_init_and_dropout_do_not_stop_an_export(tmp_path):
         (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
         (dict(head_dim=32), "head_dim=32 is not supported"),
         (dict(mlp_bias=True), "mlp_bias=True is not supported"),
-        (dict(model_type="mistral"), "model_type 'mistral' is not supported \\(expected gpt2, llama, qwen3, arcee\\)"),
+        (
+            dict(model_type="mistral"),
+            "model_type 'mistral' is not supported \\(expected gpt2, llama, qwen3, arcee, apertus\\)",
+        ),
     ],
 )
 def test_import_refuses_a_llama_config_gptforge_cannot_represent_in_one_line(tmp_path, edit, message):
@@ -208,12 +212,12 @@ def test_cli_export_of_a_model_without_counterpart_is_one_line_and_writes_nothin
     from gptforge.checkpoint import save_checkpoint
     from gptforge.config import Config
 
-    model = modern_model(mlp="relu2", qk_norm=True, bias=False, tie_embeddings=False)
+    model = modern_model(mlp="relu2", qk_norm=True, bias=True, tie_embeddings=False)
     ckpt = save_checkpoint(tmp_path / "run", 1, model, None, Config(model=model.config), load_tokenizer("gpt2"))
     capsys.readouterr()
     assert main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model.mlp=relu2 with model.qk_norm=true" in err
+    assert err.count("\n") == 1 and "model.bias=true with model.qk_norm=true" in err
     assert not (tmp_path / "hf").exists()
 
 
@@ -224,4 +228,4 @@ def test_every_shipped_preset_exports_to_a_transformers_architecture():
     for name in preset_names():
         cfg = load_config(name).model
         assert modern.exports_as_gpt2(cfg) or modern.model_type(cfg) in modern.ARCHITECTURES, name
-    assert modern.model_type(load_config("modern-cpu").model) == "qwen3"
+    assert modern.model_type(load_config("modern-cpu").model) == "apertus"

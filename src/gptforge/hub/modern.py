@@ -1,6 +1,7 @@
-"""Hugging Face interop for the modern block: Llama (SwiGLU), Qwen3 (SwiGLU + QK-norm), Arcee (ReLU², no gate).
+"""Hugging Face interop for the modern block: Llama (SwiGLU), Qwen3 (SwiGLU + QK-norm), Arcee (ReLU², no gate),
+Apertus (ReLU² + QK-norm).
 
-The three are one decoder under different names: RMSNorm, rotary in HF's half-split layout, separate q/k/v and
+The four are one decoder under different names: RMSNorm, rotary in HF's half-split layout, separate q/k/v and
 gate/up projections. Ours stacks q|k|v in `c_attn` and gate|up in `c_fc` along the output dim, so one key map
 (shared by export and import) names the pieces each fused weight splits into. The vocabulary padding stays here.
 """
@@ -29,6 +30,7 @@ LAYER_KEYS = {
     "mlp.c_proj": ("mlp.down_proj",),
 }
 UP_ONLY = ("mlp.up_proj",)
+APERTUS_NORMS = {"ln_1": ("attention_layernorm",), "ln_2": ("feedforward_layernorm",)}
 TOP_KEYS = {"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.norm", "lm_head": "lm_head"}
 LAYER = re.compile(r"transformer\.h\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -37,13 +39,14 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "silu", False, True),
     "qwen3": ("Qwen3ForCausalLM", "silu", True, False),
     "arcee": ("ArceeForCausalLM", "relu2", False, True),
+    "apertus": ("ApertusForCausalLM", "relu2", True, False),
 }
 ACT_TO_MLP = {"silu": "swiglu", "relu2": "relu2"}
-SUPPORTED = "export supports gpt2 models and modern ones (rmsnorm, rotary, swiglu; or relu2 without qk_norm)"
+SUPPORTED = "export supports gpt2 models and modern ones (rmsnorm, rotary, swiglu or relu2)"
 MODERN_NEEDS = {
     "norm": ("rmsnorm", "Llama/Qwen3 use RMSNorm"),
     "position": ("rotary", "Llama/Qwen3 use rotary positions"),
-    "mlp": ("swiglu", "Llama/Qwen3 gate their MLP (swiglu) and Arcee squares a ReLU (relu2): none has a GELU MLP"),
+    "mlp": ("swiglu", "Llama/Qwen3 gate their MLP (swiglu), Arcee/Apertus square a ReLU (relu2): none has GELU"),
 }
 GPT2_HAS = {
     "qk_norm": (False, "GPT2LMHeadModel has no QK-norm"),
@@ -69,38 +72,36 @@ def model_type(cfg: GPTConfig) -> str:
     for key, (value, why) in MODERN_NEEDS.items():
         if getattr(cfg, key) != value and not (key == "mlp" and cfg.mlp == "relu2"):
             raise GptforgeError(f"{_option(key, getattr(cfg, key))}: {why}; {SUPPORTED}")
-    if cfg.mlp == "relu2":
-        if cfg.qk_norm:
-            raise GptforgeError(
-                "model.mlp=relu2 with model.qk_norm=true: no transformers architecture has both (Arcee: relu2 "
-                "without QK-norm; Qwen3: QK-norm with swiglu); train with model.mlp=swiglu or model.qk_norm=false"
-            )
-        return "arcee"
     if cfg.qk_norm and cfg.bias:
-        raise GptforgeError("model.bias=true with model.qk_norm=true: Qwen3 has no MLP biases; " + SUPPORTED)
+        raise GptforgeError(
+            "model.bias=true with model.qk_norm=true: Qwen3 and Apertus have no MLP biases; " + SUPPORTED
+        )
+    if cfg.mlp == "relu2":
+        return "apertus" if cfg.qk_norm else "arcee"
     return "qwen3" if cfg.qk_norm else "llama"
 
 
-def _hf_names(key: str, mlp: str) -> tuple[str, ...]:
-    """The HF parameters one of ours splits into (row blocks, in order)."""
+def _hf_names(key: str, kind: str) -> tuple[str, ...]:
+    """The HF parameters one of ours splits into (row blocks, in order) in architecture `kind`."""
     match = LAYER.match(key)
     if match is None:
         module, param = key.rsplit(".", 1)
         return (f"{TOP_KEYS[module]}.{param}",)
     layer, module, param = match.groups()
-    parts = UP_ONLY if module == "mlp.c_fc" and mlp == "relu2" else LAYER_KEYS[module]
+    parts = UP_ONLY if module == "mlp.c_fc" and ARCHITECTURES[kind][1] == "relu2" else LAYER_KEYS[module]
+    parts = APERTUS_NORMS.get(module, parts) if kind == "apertus" else parts
     return tuple(f"model.layers.{layer}.{part}.{param}" for part in parts)
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our weights under HF names: fused projections split, real vocabulary, tied head left out (HF re-ties it)."""
-    cfg, out = model.config, {}
+    cfg, out, kind = model.config, {}, model_type(model.config)
     for key, value in model.state_dict().items():
         if key == "lm_head.weight" and cfg.tie_embeddings:
             continue
         if key in ("transformer.wte.weight", "lm_head.weight"):
             value = value[: cfg.vocab_size]
-        names = _hf_names(key, cfg.mlp)
+        names = _hf_names(key, kind)
         for name, part in zip(names, value.chunk(len(names)), strict=True):
             out[name] = part.detach().to("cpu").contiguous()
     return out
@@ -108,12 +109,12 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], model: GPT, where: Path) -> dict[str, torch.Tensor]:
     """HF weights as `model`'s state dict (padded vocabulary rows zero); a missing or extra tensor is one line."""
-    cfg, out = model.config, {}
+    cfg, out, kind = model.config, {}, model_type(model.config)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # older HF saved it
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
     for key, ours in model.state_dict().items():
-        names = _hf_names(key, cfg.mlp)
+        names = _hf_names(key, kind)
         missing = [n for n in names if state.get(n) is None]
         if missing:
             raise GptforgeError(f"{where}: weights do not match config.json (missing {missing[0]})")
@@ -129,7 +130,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], model: GPT, where: Path) 
 
 
 def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
-    """config.json of the Llama/Qwen3/Arcee model equal to ours (dropout, a training-time choice, is not kept)."""
+    """config.json of the HF model equal to ours (dropout, a training-time choice, is not kept)."""
     kind = model_type(cfg)
     architecture, act, _, mlp_bias = ARCHITECTURES[kind]
     config = {
@@ -160,6 +161,8 @@ def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
     if kind == "qwen3":  # its defaults would turn on a sliding window past max_window_layers
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
         config["layer_types"] = ["full_attention"] * cfg.n_layer
+    if kind == "apertus":  # its defaults: token 3 pads
+        config["pad_token_id"] = None
     return config
 
 
@@ -176,7 +179,7 @@ def _rope_theta(config: dict[str, Any], where: Path) -> float:
 
 
 def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
-    """Our model config for a Llama/Qwen3/Arcee config.json; every field our model cannot compute is refused."""
+    """Our model config for a Llama/Qwen3/Arcee/Apertus config.json; every field our model cannot compute is refused."""
     kind = config["model_type"]
     _, act, qk_norm, mlp_bias = ARCHITECTURES[kind]
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -193,7 +196,7 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     layer_types = set(config.get("layer_types") or ["full_attention"])
     checks = {
         "head_dim": (config.get("head_dim"), {None, width // heads}),
-        "hidden_act": (config.get("hidden_act", act), {act}),
+        "hidden_act": (config.get("hidden_act", "xielu" if kind == "apertus" else act), {act}),
         "mlp_bias": (config.get("mlp_bias", False) if mlp_bias else bias, {bias}),
         "attention_bias": (bias, {False, True} if mlp_bias else {False}),  # ours puts biases in the MLP too
         "use_sliding_window": (config.get("use_sliding_window", False), {False}),
