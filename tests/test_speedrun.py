@@ -86,5 +86,7 @@ def test_an_existing_result_is_replaced_only_with_force(run, data_dir):
     with pytest.raises(GptforgeError, match="nowhere"):
         speedrun(root / "new", 3, 1, root / "nowhere", {"gpt2": "tiny", "modern": "tiny"})
     assert not (root / "new").exists()
+    bad = subprocess.run(cli("speedrun", "--modern-config", "nope"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--modern-config nope: unknown preset" in bad.stderr
     bad = subprocess.run(cli("speedrun", "--budget", "0"), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--budget: expected a number >= 1.0, got '0'" in bad.stderr

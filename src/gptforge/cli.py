@@ -157,9 +157,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_speedrun(args: argparse.Namespace) -> None:
+    from gptforge.config import preset_path
     from gptforge.speedrun import format_summary, speedrun
 
     recipes = {"gpt2": args.gpt2_config, "modern": args.modern_config}
+    for recipe, preset in recipes.items():
+        preset_path(preset, f"--{recipe}-config")  # a wrong name is refused under its own flag
     summary = speedrun(args.out, args.budget, args.seeds, args.data, recipes, args.set, args.force)
     print(to_json(summary) if args.json else format_summary(summary))
 

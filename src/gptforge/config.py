@@ -286,16 +286,16 @@ def validate(cfg: Config, where: str = "") -> Config:
     return cfg
 
 
-def preset_path(name: str) -> Path:
-    """A preset name (`configs/NAME.toml` shipped with the package) or a path to a TOML file."""
+def preset_path(name: str, flag: str = "--config") -> Path:
+    """A preset name (`configs/NAME.toml` shipped with the package) or a path to a TOML file; errors name `flag`."""
     path = Path(name)
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
-            raise GptforgeError(f"--config {name}: no such file")
+            raise GptforgeError(f"{flag} {name}: no such file")
         return path
     shipped = resources.files("gptforge") / "configs" / f"{name}.toml"
     if not shipped.is_file():
-        raise GptforgeError(f"--config {name}: unknown preset (expected one of {preset_names()} or a .toml file)")
+        raise GptforgeError(f"{flag} {name}: unknown preset (expected one of {preset_names()} or a .toml file)")
     return Path(str(shipped))
 
 

@@ -56,10 +56,6 @@ def cpu_bf16_is_faster() -> bool:
     return cpu_matmul_flops(torch.bfloat16, seconds=0.25) > cpu_matmul_flops(torch.float32, seconds=0.25)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype)
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":

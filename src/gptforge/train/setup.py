@@ -19,7 +19,7 @@ from gptforge.data.shards import read_manifest
 from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
-from gptforge.runtime.device import DTYPES, dtype_name, resolve_dtype, setup_fast_math
+from gptforge.runtime.device import DTYPES, resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.train.optim import build_optimizer, lr_at
@@ -82,7 +82,7 @@ def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_fr
     if cfg.train.dtype != "auto":
         return cfg
     saved = read_meta(resume_from)["config"]["train"].get("dtype", "auto") if resume_from else "auto"
-    name = saved if saved != "auto" else dtype_name(resolve_dtype("auto", device))
+    name = saved if saved != "auto" else str(resolve_dtype("auto", device))[6:]  # "torch.float32" -> "float32"
     if device.type == "cpu" and env.distributed:
         name = list(DTYPES)[broadcast_int(list(DTYPES).index(name), env, device)]
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
