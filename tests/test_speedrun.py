@@ -60,6 +60,16 @@ def run(data_dir, tmp_path_factory):
     return root, summary
 
 
+def test_the_curve_leaves_out_the_first_step_which_pays_for_compilation(tmp_path):
+    val = lambda step, bpb: {"kind": "val", "step": step, "loss": bpb, "ppl": 1.0, "bpb": bpb}  # noqa: E731
+    train = dict(kind="train", loss=1.0, lr=1e-3, grad_norm=1.0, tokens=0, tokens_per_s=0.0, time=0.0)
+    lines = [val(0, 5.0), {**train, "step": 1, "ms": 30_000.0}, {**train, "step": 2, "ms": 500.0}, val(2, 4.0)]
+    lines += [{**train, "step": 3, "ms": 500.0}, val(3, 3.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    curve = read_curve(tmp_path)
+    assert (curve.seconds, curve.bpb, curve.steps) == ([0.0, 0.5, 1.0], [5.0, 4.0, 3.0], 3)
+
+
 def test_each_recipe_trains_for_the_budget_on_every_seed_and_the_result_is_written(run):
     root, summary = run
     seed = load_config("tiny").train.seed

@@ -36,6 +36,14 @@ def test_evaluations_are_planned_for_and_max_steps_is_a_ceiling():
     for _ in range(4):
         inside.evaluated(5.0)
     assert inside.fit_steps(CALIBRATION_END, 10_000, now=50.0, elapsed=50.0) == CALIBRATION_END + int(45 / 2.0)
+    # A first evaluation slowed by one-time warm-up (as on a GPU): the window's evaluations set the plan instead.
+    warm = budget(100, eval_every=5)
+    warm.eval_seconds = 10.0
+    warm.fit_steps(CALIBRATION_START, 10_000, now=10.0, elapsed=10.0)
+    for _ in range(4):
+        warm.evaluated(0.5)
+    assert warm.fit_steps(CALIBRATION_END, 10_000, now=32.0, elapsed=32.0) == CALIBRATION_END + int(67.5 / 1.1)
+    assert warm.eval_seconds == 0.5
     short = budget(100)
     short.fit_steps(CALIBRATION_START, 40, now=10.0, elapsed=10.0)
     assert short.fit_steps(CALIBRATION_END, 40, now=30.0, elapsed=30.0) == 40

@@ -37,6 +37,15 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _forward(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """Logits, with SDPA's cuDNN attention left out: it builds a plan for every new sequence length, and generation
+    brings one per token (bf16 sampling ran at 12 tokens/s on an H100 with it, against 174 in fp32 without)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return model(idx, cache=cache)[0]
+
+
 @torch.no_grad()
 def stream(
     model: GPT,
@@ -61,7 +70,7 @@ def stream(
     block = model.config.block_size
     idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     cache = KVCache(model.config, num_samples, device) if use_cache and len(prompt) < block else None
-    logits, _ = model(idx[:, -block:], cache=cache)
+    logits = _forward(model, idx[:, -block:], cache)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
@@ -73,10 +82,10 @@ def stream(
             return
         idx = torch.cat([idx, nxt[:, None]], dim=1)
         if cache is not None and cache.pos < block:
-            logits, _ = model(nxt[:, None], cache=cache)
+            logits = _forward(model, nxt[:, None], cache)
         else:
             cache = None
-            logits, _ = model(idx[:, -block:])
+            logits = _forward(model, idx[:, -block:], None)
 
 
 def generate(model: GPT, prompt: list[int], max_new_tokens: int, num_samples: int = 1, **kwargs) -> list[list[int]]:

@@ -99,8 +99,11 @@ class TimeBudget:
         self.eval_every = cfg.eval.every if has_val else 0
         self._t_calibrate: float | None = None
         self._eval_total = self._eval_at_calibrate = 0.0  # evaluation seconds so far, and when calibration began
+        self._evals = self._evals_at_calibrate = 0
         self.eval_seconds = 0.0
-        """What one evaluation costs: each `eval_every` steps, and once more at the end."""
+        """What one evaluation costs: each `eval_every` steps, and once more at the end. The first one's time
+        until evaluations inside the calibration window say better (the first also pays one-time warm-up: 1 s on
+        a GPU whose evaluations then take 0.1 s)."""
 
     def calibrating(self, step: int) -> bool:
         return self.seconds > 0 and step < CALIBRATION_END
@@ -111,11 +114,14 @@ class TimeBudget:
         if self.seconds <= 0:
             return max_steps
         if step == CALIBRATION_START:
-            self._t_calibrate, self._eval_at_calibrate = now, self._eval_total
+            self._t_calibrate, self._eval_at_calibrate, self._evals_at_calibrate = now, self._eval_total, self._evals
         elif step == CALIBRATION_END and self._t_calibrate is not None:
             # The steps' own pace: evaluations inside the window are planned for separately below.
-            training = now - self._t_calibrate - (self._eval_total - self._eval_at_calibrate)
-            per_step = training / (CALIBRATION_END - CALIBRATION_START)
+            window_evals = self._evals - self._evals_at_calibrate
+            window_eval_seconds = self._eval_total - self._eval_at_calibrate
+            if window_evals:
+                self.eval_seconds = window_eval_seconds / window_evals
+            per_step = (now - self._t_calibrate - window_eval_seconds) / (CALIBRATION_END - CALIBRATION_START)
             if self.eval_every:
                 per_step += self.eval_seconds / self.eval_every
             left = self.seconds - elapsed - self.eval_seconds
@@ -127,6 +133,7 @@ class TimeBudget:
     def evaluated(self, seconds: float) -> None:
         """An evaluation during the loop took `seconds` (kept out of the steps' measured pace)."""
         self._eval_total += seconds
+        self._evals += 1
 
     def stop_vote(self, stop: StopSignal, elapsed: float) -> str | None:
         """Why every rank should stop after this step, or None: any rank's signal, or rank 0 out of time."""
