@@ -63,7 +63,7 @@ class OptimConfig:
     """For wsd: the share of the steps spent decaying at the end."""
     optimizer: str = "adamw"
     """adamw (GPT-3), or muon: Muon for the blocks' 2-D matrices, AdamW (lr, betas, eps above) for embeddings,
-    lm_head, gains and biases. Muon needs torch >= 2.9."""
+    lm_head, gains and biases."""
     muon_lr: float = 0.02
     """Muon's peak learning rate (the schedule scales it with lr)."""
     muon_momentum: float = 0.95

@@ -107,9 +107,9 @@ def test_muon_with_two_gloo_processes_matches_one_process(data_dir, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert a.keys() == b.keys() == set(range(1, 7))
-    # Muon orthogonalises in bf16 (torch.optim.Muon) and lifts a gradient's smallest directions to full size, so
-    # summation-order differences of ~1e-7 move single weights by up to half an update: losses agree to ~1e-5
-    # relative and each matrix to ~2% of its norm; a rank stepping on its own unsynced gradient is off by far more.
+    # Muon lifts a gradient's smallest directions to full size, so summation-order differences of ~1e-7 move single
+    # weights by up to half an update: losses agree to ~1e-5 relative and each matrix to ~2% of its norm; a rank
+    # stepping on its own unsynced gradient is off by far more.
     diffs = {s: abs(a[s] - b[s]) / a[s] for s in a}
     assert max(diffs.values()) <= 2e-5, diffs
     for (name, x), y in zip(weights(tmp_path / "one").items(), weights(tmp_path / "two").values(), strict=True):

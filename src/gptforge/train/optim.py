@@ -10,14 +10,16 @@ import torch
 
 from gptforge.config import OptimConfig
 from gptforge.errors import GptforgeError
+from gptforge.train.muon import Muon
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimConfig, device_type: str, zero: bool = False
+    model: torch.nn.Module, cfg: OptimConfig, device_type: str, zero: bool = False, dtype: torch.dtype = torch.float32
 ) -> torch.optim.Optimizer | MuonAdamW:
     """Weight decay on >=2-D weights (matmuls, embeddings) only; fused AdamW on CUDA; `zero` shards its state
     across the processes of the (initialized) process group. optim.optimizer=muon gives the blocks' matrices to
-    Muon and the rest (embeddings, lm_head, gains, biases) to AdamW."""
+    Muon, orthogonalising in bf16 for bf16 runs and fp32 otherwise, and the rest (embeddings, lm_head, gains,
+    biases) to AdamW."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = [p for n, p in named if cfg.optimizer == "muon" and p.dim() == 2 and ".h." in f".{n}"]
     taken = {id(p) for p in muon}
@@ -29,13 +31,8 @@ def build_optimizer(
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **({"fused": True} if fused else {})}
     if cfg.optimizer == "muon":
-        if not hasattr(torch.optim, "Muon"):
-            raise GptforgeError(
-                f"optim.optimizer=muon needs torch >= 2.9 (torch.optim.Muon); this is {torch.__version__}"
-            )
-        hidden = torch.optim.Muon(
-            muon, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True
-        )
+        ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        hidden = Muon(muon, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, dtype=ns_dtype)
         return MuonAdamW(hidden, torch.optim.AdamW(groups, **kwargs), cfg.muon_lr / cfg.lr)
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -128,7 +128,7 @@ def build(
         model.load_state_dict(weights)
     model.to(device)
     train_model = wrap(torch.compile(model) if cfg.train.compile else model, env, device)
-    optimizer = build_optimizer(model, cfg.optim, device.type, zero=cfg.train.zero and env.distributed)
+    optimizer = build_optimizer(model, cfg.optim, device.type, cfg.train.zero and env.distributed, dtype)
     # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16 and device.type == "cuda")
     peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
