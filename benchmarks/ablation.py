@@ -26,9 +26,9 @@ VARIANTS = {
     "learned positions, not rotary": ["model.position=learned"],
     "no QK-norm": ["model.qk_norm=false"],
     "LayerNorm, not RMSNorm": ["model.norm=layernorm"],
-    "GELU MLP, not SwiGLU": ["model.mlp=gelu"],
-    "ReLU² MLP, not SwiGLU": ["model.mlp=relu2"],
-    "tied embeddings": ["model.tie_embeddings=true"],
+    "GELU MLP, not ReLU²": ["model.mlp=gelu"],
+    "SwiGLU MLP, not ReLU²": ["model.mlp=swiglu"],
+    "untied embeddings": ["model.tie_embeddings=false"],
     "biases": ["model.bias=true"],
     "GPT-2 init, not zero-init": ["model.zero_init=false"],
     "cosine schedule, not WSD": ["optim.schedule=cosine", "optim.min_lr_ratio=0.1"],
@@ -38,7 +38,7 @@ VARIANTS = {
 def run_variant(name: str, preset: str, sets: list[str], args: argparse.Namespace, seed: int) -> dict:
     length = [f"train.max_steps={args.steps}", "train.time_budget=0"] if args.steps else [
         "train.max_steps=100000", f"train.time_budget={args.budget}"]  # fmt: skip
-    shared = ["eval.points=1", "eval.tokens=32768", "eval.sample_tokens=0", "checkpoint.every=0", "log.every=25"]
+    shared = ["eval.every=0", "eval.tokens=32768", "eval.sample_tokens=0", "checkpoint.every=0", "log.every=25"]
     cfg = load_config(preset, [*sets, *length, *shared, *args.set, f"train.seed={seed}", f"data.path={args.data}"])
     run_dir = Path(args.out) / f"{name.split(',')[0].replace(' ', '-').replace('²', '2')}-seed{seed}"
     train(cfg, run_dir)

@@ -146,7 +146,7 @@ def plot_curves(curves: dict[str, list[Curve]], out: Path) -> None:
     baseline = next(iter(curves.values()))
     for c in baseline:
         ax.axhline(c.final, color="gray", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("training seconds (evaluations excluded)")
+    ax.set_xlabel("training seconds (evaluations and the first step excluded)")
     ax.set_ylabel("validation bits per byte")
     ax.set_ylim(top=min(max(c.bpb[1] if len(c.bpb) > 1 else c.bpb[0] for r in curves.values() for c in r) + 0.3, 4))
     ax.grid(alpha=0.3)

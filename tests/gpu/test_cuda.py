@@ -1,11 +1,12 @@
-"""On a CUDA GPU, what the CPU suite cannot show: flash attention, compiled bf16 training of both recipes, exact
-resume, export parity and the MFU peak. Run there with `GPTFORGE_GPU_TESTS=1 python -m pytest tests/gpu`."""
+"""On a CUDA GPU, what the CPU suite cannot show: flash attention, compiled bf16 training of both recipes and their
+resume, export parity, generation and the MFU peak. Run there with `GPTFORGE_GPU_TESTS=1 python -m pytest tests/gpu`."""
 
 import shutil
 
 import pytest
 import torch
 from tests.helpers import losses
+from tests.train.test_trainer import MODERN
 
 from gptforge.bench import run_bench
 from gptforge.checkpoint import load_checkpoint
@@ -19,19 +20,17 @@ from gptforge.train.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (GPTFORGE_GPU_TESTS=1)")
 
-MODERN = [
-    "model.norm=rmsnorm", "model.position=rotary", "model.qk_norm=true", "model.bias=false",
-    "model.tie_embeddings=false", "model.mlp=relu2", "model.zero_init=true", "optim.optimizer=muon",
-    "optim.schedule=wsd",
-]  # fmt: skip
 RECIPES = pytest.mark.parametrize("recipe", [[], MODERN], ids=["gpt2", "modern-muon"])
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32_matmuls():
-    """Training turns TF32 on for the process; the parity checks here compare in full fp32."""
-    yield
+def full_fp32_matmuls():
+    """Training turns TF32 on for the process; the comparisons here are in full fp32."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def fp32_matmuls():
+    full_fp32_matmuls()
 
 
 def cuda_cfg(data_dir, *overrides):
@@ -83,6 +82,7 @@ def test_a_gpu_trained_checkpoint_exports_with_parity_on_the_gpu(data_dir, tmp_p
     transformers = pytest.importorskip("transformers")
     result = train(cuda_cfg(data_dir, "train.max_steps=10", "train.compile=false", *recipe), tmp_path / "run")
     model, tokenizer, _, _ = load_checkpoint(result.checkpoint)
+    full_fp32_matmuls()
     out = export_hf(model, tokenizer, tmp_path / "hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).cuda().eval()
     ours = model.cuda().eval()
