@@ -10,9 +10,19 @@ import pytest
 from gptforge.data.prepare import prepare
 
 # Tests run on the CPU even where a GPU is visible (subprocesses inherit this): the same numbers on every machine.
-# GPTFORGE_GPU_TESTS=1 keeps the GPU for tests/gpu, which a CPU-only machine skips.
-if not os.environ.get("GPTFORGE_GPU_TESTS"):
+# GPTFORGE_GPU_TESTS=1 keeps the GPU for tests/gpu (which a CPU-only machine skips) and runs nothing else.
+GPU_TESTS = bool(os.environ.get("GPTFORGE_GPU_TESTS"))
+if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_TESTS:
+        cpu_only = pytest.mark.skip(reason="GPTFORGE_GPU_TESTS=1 runs tests/gpu only (the rest would see the GPU)")
+        for item in items:
+            if "tests/gpu/" not in item.nodeid:
+                item.add_marker(cpu_only)
+
 
 TEMPLATE = '''def {name}(values):
     """Return the {what} of values."""

@@ -68,6 +68,9 @@ def test_the_curve_leaves_out_the_first_step_which_pays_for_compilation(tmp_path
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     curve = read_curve(tmp_path)
     assert (curve.seconds, curve.bpb, curve.steps) == ([0.0, 0.5, 1.0], [5.0, 4.0, 3.0], 3)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
+    with pytest.raises(GptforgeError, match="1 optimizer step; time to quality needs 2 or more"):
+        read_curve(tmp_path)  # a budget shorter than start-up and one step
 
 
 def test_each_recipe_trains_for_the_budget_on_every_seed_and_the_result_is_written(run):

@@ -57,6 +57,8 @@ def read_curve(run_dir: Path) -> Curve:
     val = [r for r in finite(by_kind["val"], "bpb") if r["step"] in at_step]
     if not val:
         raise GptforgeError(f"{run_dir}: no validation bits per byte (does the data have a val split?)")
+    if len(by_kind["train"]) < 2:  # the first step's time is left out: one step has no curve to read
+        raise GptforgeError(f"{run_dir}: {len(by_kind['train'])} optimizer step; time to quality needs 2 or more")
     return Curve([at_step[r["step"]] for r in val], [r["bpb"] for r in val], by_kind["train"][-1]["step"])
 
 
