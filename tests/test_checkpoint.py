@@ -105,3 +105,27 @@ def test_checkpoint_files_get_the_usual_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert {p.name: p.stat().st_mode & 0o777 for p in ckpt.iterdir()}["model.safetensors"] == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("tokenizer", [5, "absolute", "../../tok.json"])
+@pytest.mark.parametrize("command", [["sample", "--max-new-tokens", "1"], ["eval", "--text", "TEXT"]])
+def test_a_tokenizer_that_is_not_a_file_of_the_checkpoint_is_one_line(tmp_path, capsys, command, tokenizer):
+    import json
+
+    from gptforge.config import Config
+    from gptforge.data.tokenizer import load_tokenizer, train_bpe
+    from gptforge.model.gpt import GPTConfig
+
+    cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
+    ckpt = save_checkpoint(tmp_path, 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"), {"tokens": 0})
+    train_bpe(["def add(a, b):\n    return a + b\n"] * 20, 300, tmp_path / "tok.json")  # outside: one that loads
+    name = str(tmp_path / "tok.json") if tokenizer == "absolute" else tokenizer
+    (ckpt / "meta.json").write_text(json.dumps({**json.loads((ckpt / "meta.json").read_text()), "tokenizer": name}))
+    (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n" * 4)
+    args = [str(tmp_path / "text.txt") if a == "TEXT" else a for a in command]
+    assert main([command[0], str(ckpt), *args[1:]]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"gptforge {command[0]}: error: {ckpt}: damaged checkpoint: meta.json names tokenizer {name!r}: "
+        "expected 'gpt2' or the name of a tokenizer file in the checkpoint\n"
+    )

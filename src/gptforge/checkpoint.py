@@ -153,13 +153,24 @@ def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError, GptforgeError) as e:
         return f"{META} is unreadable or incomplete ({type(e).__name__}: {e})"
-    problem = _safetensors_problem(ckpt / "model.safetensors")
+    problem = _tokenizer_problem(ckpt, meta.get("tokenizer")) or _safetensors_problem(ckpt / "model.safetensors")
     if problem or not for_training:
         return problem
     if not (ckpt / "optimizer.pt").is_file():
         return "no optimizer.pt: not a training checkpoint (start from its weights with train.init_from)"
     if not zipfile.is_zipfile(ckpt / "optimizer.pt"):
         return "optimizer.pt is truncated or not a torch file"
+    return None
+
+
+def _tokenizer_problem(ckpt: Path, name: Any) -> str | None:
+    """A checkpoint's tokenizer is 'gpt2' or a file in its own folder, named without a path: never one elsewhere."""
+    if name == "gpt2":
+        return None
+    if not isinstance(name, str) or Path(name).name != name:
+        return f"{META} names tokenizer {name!r}: expected 'gpt2' or the name of a tokenizer file in the checkpoint"
+    if not (ckpt / name).is_file():
+        return f"{name}, the tokenizer its {META} names, is missing"
     return None
 
 

@@ -25,7 +25,10 @@ def error_response(e: ApiError) -> JSONResponse:
 
 def routes(engine: Engine) -> list[Route]:
     async def list_models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": engine.models()})
+        try:
+            return JSONResponse({"object": "list", "data": engine.models()})
+        except ApiError as e:  # the served folder is gone
+            return error_response(e)
 
     async def completions(request: Request) -> Response:
         events = None

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from gptforge.checkpoint import Inference, load_for_inference, resolve_checkpoint
+from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
 from gptforge.serve.protocol import ApiError, CompletionRequest, Limits
-from gptforge.serve.runs import find_sources
+from gptforge.serve.runs import FolderGone, find_sources
 from gptforge.serve.text import Continuation
 
 # What the worker reports, in order: ("start", fingerprint), then ("text", index, piece) and
@@ -160,7 +160,7 @@ class Engine:
             )
         loaded = self._loaded.get(name)
         if loaded is None or loaded[0] != newest:
-            ckpt = resolve_checkpoint(source.folder)  # skips a damaged newest one, with a warning
+            ckpt = source.intact_checkpoint()  # skips a damaged newest one, with a warning
             if loaded is None or loaded[0] != ckpt:
                 loaded = (ckpt, load_for_inference(ckpt, self.device, self.dtype))
         self._loaded[name] = loaded
@@ -171,8 +171,12 @@ class Engine:
 
     def models(self) -> list[dict[str, Any]]:
         """The OpenAI model objects: every run with a checkpoint, and which checkpoint a request would get."""
+        try:
+            sources = find_sources(self.root)
+        except FolderGone as e:
+            raise ApiError(503, str(e), None, "model_unavailable") from None
         out = []
-        for name, source in find_sources(self.root).items():
+        for name, source in sources.items():
             ckpt = source.newest_checkpoint()
             try:
                 created = int(ckpt.stat().st_mtime) if ckpt else None

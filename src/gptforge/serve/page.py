@@ -10,12 +10,12 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from gptforge.checkpoint import read_meta, step_of
+from gptforge.checkpoint import META, read_meta, step_of
 from gptforge.config import config_from_dict, to_toml
 from gptforge.errors import GptforgeError
 from gptforge.files import read_jsonl, read_text
 from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics
-from gptforge.serve.runs import Source, find_sources
+from gptforge.serve.runs import FolderGone, Source, find_sources
 
 STATIC = Path(__file__).parent / "static"
 MAX_POINTS = 2000  # per curve: more than a screen shows; longer runs are averaged in buckets
@@ -44,7 +44,8 @@ def routes(root: Path) -> list:
 
     def metrics(request: Request) -> Response:
         run = source(request)
-        version = _version(run.folder / METRICS)
+        path = run.file(METRICS)
+        version = _version(path) if path else None
         if version is not None and version == request.query_params.get("version"):
             return JSONResponse({"version": version, "unchanged": True})
         if version is None:
@@ -55,16 +56,16 @@ def routes(root: Path) -> list:
         return JSONResponse({"version": version, **cache[run.name][1]})
 
     def samples(request: Request) -> Response:
-        path = source(request).folder / SAMPLES
-        records = [r for _, r in read_jsonl(path, torn_tail_ok=True)] if path.is_file() else []
+        path = source(request).file(SAMPLES)
+        records = [r for _, r in read_jsonl(path, torn_tail_ok=True)] if path else []
         return JSONResponse({"samples": records[-SHOWN_SAMPLES:][::-1]})
 
     def config(request: Request) -> Response:
         run = source(request)
         if run.is_checkpoint:
-            return JSONResponse({"toml": to_toml(config_from_dict(read_meta(run.folder)["config"]))})
-        path = run.folder / CONFIG
-        return JSONResponse({"toml": read_text(path) if path.is_file() else ""})
+            return JSONResponse({"toml": _checkpoint_toml(run.folder)})
+        path = run.file(CONFIG)
+        return JSONResponse({"toml": read_text(path) if path else ""})
 
     return [
         Route("/", index),
@@ -77,7 +78,8 @@ def routes(root: Path) -> list:
 
 
 def _errors(handler):
-    """A missing run is a 404, a run file that cannot be read (a bad line) a 422: messages the page shows.
+    """A missing run is a 404, a run file that cannot be read (a bad line) a 422, the served folder gone a 503:
+    messages the page shows.
     The handlers are plain functions, which Starlette runs on its thread pool: reading a long metrics.jsonl
     does not hold up the tokens streaming to other clients."""
 
@@ -86,6 +88,8 @@ def _errors(handler):
             return handler(request)
         except NoSuchRun as e:
             return JSONResponse({"error": str(e)}, status_code=404)
+        except FolderGone as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
         except GptforgeError as e:
             return JSONResponse({"error": str(e)}, status_code=422)
 
@@ -99,8 +103,16 @@ def _describe(source: Source) -> dict[str, Any]:
         "is_checkpoint": source.is_checkpoint,
         "checkpoint": ckpt.name if ckpt else None,
         "checkpoint_step": step_of(ckpt) if ckpt else None,
-        "has_metrics": (source.folder / METRICS).is_file(),
+        "has_metrics": source.file(METRICS) is not None,
     }
+
+
+def _checkpoint_toml(ckpt: Path) -> str:
+    """The config in a lone checkpoint's meta.json, as TOML."""
+    try:
+        return to_toml(config_from_dict(read_meta(ckpt)["config"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a hand-edited meta.json
+        raise GptforgeError(f"{ckpt / META}: unreadable ({type(e).__name__}: {e})") from None
 
 
 def _version(path: Path) -> str | None:

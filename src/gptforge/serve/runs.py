@@ -1,26 +1,78 @@
 """What `gptforge serve PATH` shows: the runs under PATH (or PATH itself, a run or a checkpoint), found again
-on every call so runs and checkpoints that training adds appear. Requests name runs, never paths."""
+on every call so runs and checkpoints that training adds appear. Requests name runs, never paths, and nothing
+beyond PATH is read: every file and folder is opened only if, its links followed, it stays inside PATH."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptforge.checkpoint import META, latest_checkpoint
+from gptforge.checkpoint import META, checkpoint_problem, checkpoints
 from gptforge.errors import GptforgeError
 from gptforge.rundir import CONFIG, METRICS
 
 
+class FolderGone(GptforgeError):
+    """The served folder was deleted or renamed while serving: every route says so until it is back."""
+
+
+def inside(root: Path, path: Path) -> Path | None:
+    """`path` with its links followed, if that stays inside `root`; else None, with a warning in the log
+    (once per path): a link leading elsewhere is treated as absent."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):  # a link loop
+        return None
+    if real.is_relative_to(root.resolve()):
+        return real
+    warnings.warn(f"{path} leads outside the served folder (to {real}): not read", stacklevel=2)
+    return None
+
+
 @dataclass(frozen=True)
 class Source:
-    """One servable thing: a run folder (curves, samples, its newest checkpoint) or a lone checkpoint."""
+    """One servable thing under `root` (PATH): a run folder (curves, samples, its checkpoints) or a checkpoint."""
 
     name: str
     folder: Path
+    root: Path
     is_checkpoint: bool = False
 
+    def file(self, name: str) -> Path | None:
+        """The real path of its file `name`, if it exists inside PATH."""
+        path = inside(self.root, self.folder / name)
+        return path if path is not None and path.is_file() else None
+
+    def checkpoints(self) -> Iterator[Path]:
+        """Its complete checkpoints, newest first, leaving out any with a file or folder that leads outside PATH."""
+        if self.is_checkpoint:
+            found = [self.folder]
+        else:
+            found = checkpoints(self.folder) if inside(self.root, self.folder / "checkpoints") else []
+        return (ckpt for ckpt in reversed(found) if self._confined(ckpt))
+
     def newest_checkpoint(self) -> Path | None:
-        return self.folder if self.is_checkpoint else latest_checkpoint(self.folder)
+        return next(self.checkpoints(), None)
+
+    def intact_checkpoint(self) -> Path:
+        """The newest checkpoint that can be loaded: a damaged newer one is skipped with a warning."""
+        problems = []
+        for ckpt in self.checkpoints():
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)
+            problems.append(f"{ckpt.name}: {problem}")
+        raise GptforgeError(f"the model '{self.name}' has no intact checkpoint ({'; '.join(problems) or 'none'})")
+
+    def _confined(self, ckpt: Path) -> bool:
+        """The checkpoint folder and every file in it stay inside PATH (its tokenizer is one of them, by name)."""
+        try:
+            return inside(self.root, ckpt) is not None and all(inside(self.root, p) for p in ckpt.iterdir())
+        except OSError:  # pruned by training a moment ago
+            return False
 
 
 def check_root(path: str | Path) -> Path:
@@ -31,19 +83,29 @@ def check_root(path: str | Path) -> Path:
     return root.resolve()
 
 
-def is_run(folder: Path) -> bool:
-    return any((folder / name).exists() for name in (METRICS, CONFIG, "checkpoints"))
+def is_run(root: Path, folder: Path) -> bool:
+    real = (inside(root, folder / name) for name in (METRICS, CONFIG, "checkpoints"))
+    return any(path is not None and path.exists() for path in real)
 
 
 def find_sources(root: Path) -> dict[str, Source]:
     """The runs (or the checkpoint) at `root`, by name: root itself, else its sub-folders that are runs, sorted.
-    A sub-folder that is a link leading outside root is left out: nothing beyond PATH is read."""
-    if (root / META).is_file():
-        return {root.name: Source(root.name, root, is_checkpoint=True)}
-    if is_run(root):
-        return {root.name: Source(root.name, root)}
+    A sub-folder that is a link leading outside root is left out."""
+    gone = f"{root}: the served folder is gone (deleted or renamed while serving); it is served again once it is back"
+    if not root.is_dir():
+        raise FolderGone(gone)
+    meta = inside(root, root / META)
+    if meta is not None and meta.is_file():
+        return {root.name: Source(root.name, root, root, is_checkpoint=True)}
+    if is_run(root, root):
+        return {root.name: Source(root.name, root, root)}
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError:  # deleted between the two calls
+        raise FolderGone(gone) from None
     found = {}
-    for child in sorted(p for p in root.iterdir() if p.is_dir()):
-        if child.resolve().is_relative_to(root) and is_run(child):
-            found[child.name] = Source(child.name, child.resolve())
+    for child in children:
+        real = inside(root, child)
+        if real is not None and is_run(root, real):
+            found[child.name] = Source(child.name, real, root)
     return found

@@ -1,0 +1,143 @@
+"""What the server reads, in-process: nothing outside PATH whatever is a link, a checkpoint's tokenizer only from
+its own folder, and every route answering cleanly while the served folder is gone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from gptforge.data.tokenizer import train_bpe
+
+testclient = pytest.importorskip("starlette.testclient")
+OUTSIDE = "leads outside the served folder"
+
+
+@pytest.fixture
+def served(runs_dir, tmp_path):
+    """PATH = tmp/served holding run/ (a copy of alpha: checkpoints at steps 2 and 4), and tmp/elsewhere beside it."""
+    shutil.copytree(runs_dir / "alpha", tmp_path / "served" / "run")
+    (tmp_path / "elsewhere").mkdir()
+    return tmp_path / "served"
+
+
+def client(root):
+    from gptforge.serve.app import build_app
+
+    return testclient.TestClient(build_app(root), base_url="http://127.0.0.1")
+
+
+def complete(http, model="run"):
+    return http.post("/v1/completions", json={"model": model, "prompt": "def", "max_tokens": 2, "temperature": 0})
+
+
+def link_out(path, elsewhere):
+    """Move `path` to `elsewhere` and leave a link to it in its place."""
+    shutil.move(path, elsewhere / path.name)
+    path.symlink_to(elsewhere / path.name)
+
+
+TRAIN = {"kind": "train", "step": 9, "lr": 0.1, "grad_norm": 1.0, "tokens": 8, "tokens_per_s": 1.0, "time": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("name", "route", "content"),
+    [
+        ("config.toml", "config", "[secret]\nkey = 4242.5\n"),
+        ("samples.jsonl", "samples", json.dumps({"step": 9, "text": "4242.5"}) + "\n"),
+        ("metrics.jsonl", "metrics", json.dumps({**TRAIN, "loss": 4242.5}) + "\n"),
+    ],
+)
+def test_a_run_file_linked_outside_path_is_absent_to_the_page(served, name, route, content):
+    outside = served.parent / "elsewhere" / name
+    outside.write_text(content)
+    (served / "run" / name).unlink()
+    (served / "run" / name).symlink_to(outside)
+    http = client(served)
+    with pytest.warns(UserWarning, match=OUTSIDE):  # the server's log says why the file is not shown
+        answer = http.get(f"/api/runs/run/{route}")
+        assert answer.status_code == 200 and "4242.5" not in answer.text
+        assert answer.json() in ({"toml": ""}, {"samples": []}, {"version": None, "train": {}, "val": {}})
+        assert http.get("/api/runs").json()["runs"][0]["has_metrics"] is (name != "metrics.jsonl")
+
+
+def bpe(path):
+    """A small trained tokenizer file (what a run prepared with --train-tokenizer keeps in its checkpoints)."""
+    train_bpe(["def add(a, b):\n    return a + b\n"] * 20, 300, path)
+
+
+def set_tokenizer(ckpt, name):
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "tokenizer": name}))
+
+
+@pytest.mark.parametrize("linked", ["model.safetensors", "meta.json", "optimizer.pt", "tok.json", "step_000004"])
+def test_a_checkpoint_with_a_file_or_folder_linked_outside_path_is_skipped(served, linked):
+    step = served / "run" / "checkpoints" / "step_000004"
+    bpe(step / "tok.json")
+    set_tokenizer(step, "tok.json")
+    link_out(step if linked == "step_000004" else step / linked, served.parent / "elsewhere")
+    http = client(served)
+    with pytest.warns(UserWarning, match=OUTSIDE):
+        assert [m["checkpoint"] for m in http.get("/v1/models").json()["data"]] == ["step_000002"]
+        answer = complete(http)
+        assert answer.status_code == 200 and answer.json()["system_fingerprint"] == "step_000002"
+
+
+def test_a_checkpoints_folder_linked_outside_path_serves_no_model(served):
+    link_out(served / "run" / "checkpoints", served.parent / "elsewhere")
+    http = client(served)
+    with pytest.warns(UserWarning, match=OUTSIDE):
+        assert http.get("/v1/models").json()["data"] == []
+        assert http.get("/api/runs").json()["runs"][0]["checkpoint"] is None
+        answer = complete(http)
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+
+
+def test_links_that_stay_inside_path_still_work(served):
+    run = served / "run"
+    (served / "store").mkdir()
+    link_out(run / "config.toml", served / "store")
+    link_out(run / "checkpoints" / "step_000004", served / "store")
+    http = client(served)
+    assert "[model]" in http.get("/api/runs/run/config").json()["toml"]
+    assert complete(http).json()["system_fingerprint"] == "step_000004"
+
+
+@pytest.mark.parametrize("tokenizer", ["absolute", "../../../../elsewhere/tok.json", 5, None])
+def test_a_tokenizer_that_is_not_a_file_of_the_checkpoint_is_never_read(served, tokenizer):
+    ckpt = served / "run" / "checkpoints" / "step_000004"  # served alone: nothing to fall back to
+    bpe(served.parent / "elsewhere" / "tok.json")  # one that would load
+    set_tokenizer(ckpt, str(served.parent / "elsewhere" / "tok.json") if tokenizer == "absolute" else tokenizer)
+    with pytest.warns(UserWarning, match="damaged checkpoint"):
+        answer = complete(client(ckpt), model="step_000004")
+        error = answer.json()["error"]
+        assert answer.status_code == 503 and error["code"] == "model_unavailable", error
+        assert "tokenizer" in error["message"] and "\n" not in error["message"]
+
+
+def test_every_route_answers_cleanly_while_the_served_folder_is_gone_and_recovers(served):
+    http = client(served)
+    assert complete(http).status_code == 200  # the model is loaded: it is not answered from memory once gone
+    served.rename(served.parent / "moved")
+    for route in ("/api/runs", "/api/runs/run/metrics", "/api/runs/run/samples", "/api/runs/run/config"):
+        answer = http.get(route)
+        assert answer.status_code == 503 and "the served folder is gone" in answer.json()["error"], route
+    for answer in (http.get("/v1/models"), complete(http)):
+        assert answer.status_code == 503 and "the served folder is gone" in answer.json()["error"]["message"]
+    assert http.get("/").status_code == 200  # the page itself, which then shows the message
+    (served.parent / "moved").rename(served)
+    assert http.get("/api/runs").json()["runs"][0]["id"] == "run"
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["run"]
+    assert complete(http).status_code == 200
+
+
+def test_a_link_loop_is_an_absent_file_not_a_crash(served):
+    run = served / "run"
+    for path in (run / "config.toml", run / "checkpoints" / "step_000004" / "model.safetensors"):
+        path.unlink()
+        path.symlink_to(path.name)  # itself
+    http = client(served)
+    assert http.get("/api/runs/run/config").json() == {"toml": ""}
+    assert complete(http).json()["system_fingerprint"] == "step_000002"
