@@ -218,7 +218,7 @@ def _one_of(*names: str) -> tuple[Any, str]:
 _POSITIVE = ((lambda v: v > 0), "> 0")
 # What each checked key allows; every failure is one line naming the key, the value and this.
 RULES: dict[str, tuple[Any, str]] = {
-    "model.block_size": _at_least(1),
+    "model.block_size": _within(1, 2**20, high_ok=True),  # past 1M positions a KV cache alone outgrows a machine
     "model.vocab_size": _at_least(1),
     "model.n_layer": _at_least(1),
     "model.n_head": _at_least(1),

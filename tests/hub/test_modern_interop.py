@@ -68,7 +68,7 @@ def test_modern_export_matches_transformers_logits_generation_and_imports_back(t
     assert transformers.AutoTokenizer.from_pretrained(out)("Hello world")["input_ids"] == [15496, 995]
 
     back, tokenizer, precision = import_hf(out)
-    assert (tokenizer, precision) == ("gpt2", "float32") and back.config == ours.config
+    assert (tokenizer.name, precision) == ("gpt2", "float32") and back.config == ours.config
     for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values(), strict=True):
         rows = 50257 if name in ("transformer.wte.weight", "lm_head.weight") else None
         assert torch.equal(a[:rows], b[:rows]), name
@@ -90,7 +90,7 @@ def test_a_transformers_written_llama_or_qwen3_imports_with_parity(tmp_path, kin
             p.normal_(1 if p.dim() == 1 else 0, 0.1)
     ref.save_pretrained(tmp_path / "hf")
     model, tokenizer, _ = import_hf(tmp_path / "hf")
-    assert tokenizer == "gpt2" and model.config.qk_norm == (kind == "qwen3") and model.config.hidden_size == 96
+    assert tokenizer.name == "gpt2" and model.config.qk_norm == (kind == "qwen3") and model.config.hidden_size == 96
     idx = torch.randint(0, 50257, (2, 40))
     torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-4, rtol=1e-4)
 
@@ -131,14 +131,14 @@ def test_zero_init_and_dropout_do_not_stop_an_export(tmp_path):
     "edit,message",
     [
         (dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported \\(grouped-query attention"),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type='llama3' is not supported"),
-        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_type='linear'"),
-        (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), 'rope_type="llama3" is not supported'),
+        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), 'rope_type="linear"'),
+        (dict(hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
         (dict(head_dim=32), "head_dim=32 is not supported"),
-        (dict(mlp_bias=True), "mlp_bias=True is not supported"),
+        (dict(mlp_bias=True), "mlp_bias=true is not supported"),
         (
             dict(model_type="mistral"),
-            "model_type 'mistral' is not supported \\(expected gpt2, llama, qwen3, arcee, apertus\\)",
+            'model_type "mistral" is not supported \\(expected gpt2, llama, qwen3, arcee, apertus\\)',
         ),
     ],
 )
@@ -154,9 +154,12 @@ def test_import_refuses_a_llama_config_gptforge_cannot_represent_in_one_line(tmp
 @pytest.mark.parametrize(
     "edit,message",
     [
-        (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True is not supported"),
-        (dict(attention_bias=True), "attention_bias=True is not supported"),
-        (dict(num_hidden_layers=3), "weights do not match config.json \\(missing model.layers.2"),
+        (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=true is not supported"),
+        (dict(attention_bias=True), "attention_bias=true is not supported"),
+        (
+            dict(num_hidden_layers=3, layer_types=["full_attention"] * 3),
+            "num_hidden_layers=3, but the weights hold 2 layers",
+        ),
         (dict(intermediate_size=64), "weights do not match config.json \\(model.layers.0.mlp.gate_proj.weight"),
     ],
 )
