@@ -232,7 +232,8 @@ def test_export_and_import_never_destroy_a_folder(tmp_path, capsys):
         (lambda c: c.update(n_layer=3), "weights do not match config.json"),
         (
             lambda c: c.update(n_positions=128),
-            r"weights do not match config.json \(transformer.wpe.weight has shape \(64, 32\), config.json makes it \(128, 32\)",
+            r"weights do not match config.json \(transformer.wpe.weight has shape \(64, 32\), "
+            r"config.json makes it \(128, 32\)",
         ),
     ],
 )

@@ -10,6 +10,7 @@ from gptforge.cli import main
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf, import_hf
+from gptforge.hub.modern import DEFAULT_ROPE, HF_DEFAULTS
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, GPTConfig
 
@@ -232,3 +233,12 @@ def test_every_shipped_preset_exports_to_a_transformers_architecture():
         cfg = load_config(name).model
         assert modern.exports_as_gpt2(cfg) or modern.model_type(cfg) in modern.ARCHITECTURES, name
     assert modern.model_type(load_config("modern-cpu").model) == "apertus"
+
+
+@pytest.mark.parametrize("kind", HF_DEFAULTS)
+def test_what_import_assumes_for_a_missing_key_is_what_transformers_assumes(kind):
+    """A config.json may leave keys out: the model we build must then be the one transformers builds."""
+    config = transformers.AutoConfig.for_model(kind)
+    for key, value in {"rope_theta": 10000.0, **HF_DEFAULTS[kind]}.items():
+        assert (config.rope_parameters[key] if key == "rope_theta" else getattr(config, key)) == value, key
+    assert config.rope_parameters["rope_type"] == DEFAULT_ROPE.get(kind, {}).get("rope_type", "default")

@@ -70,7 +70,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], model: GPT, where: Path) 
         if key == "lm_head.weight":  # tied to wte: HF re-ties it
             continue
         name = key if key.startswith("transformer.") else f"transformer.{key}"
-        if name not in ours:
+        if name not in ours or name in out:  # out: the same tensor with and without the prefix
             raise GptforgeError(f"{where}: weights do not match config.json (unexpected {key})")
         expected = (cfg.vocab_size, cfg.n_embd) if name == "transformer.wte.weight" else tuple(ours[name].shape)
         expected = expected[::-1] if name.endswith(CONV1D) else expected
@@ -127,6 +127,7 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
         "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), (False,)),
         "tie_word_embeddings": (config.get("tie_word_embeddings", True), (True,)),
         "add_cross_attention": (config.get("add_cross_attention", False), (False,)),
+        "architectures": (config.get("architectures"), (None, ["GPT2LMHeadModel"], ["GPT2Model"])),  # tied: one LM
     }
     check_supported(checks, where)
     return validate(Config(model=GPTConfig(**sizes)), str(where)).model
@@ -186,7 +187,7 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, Tokenizer, str]:
     tokenizer, precision = _hf_tokenizer(hf_dir, cfg), _precision(config, state, config_path)
     model = GPT(cfg)
     model.load_state_dict(state)
-    non_finite = [key for key, value in state.items() if not value.isfinite().all()]
+    non_finite = [key for key, value in weights.items() if not value.isfinite().all()]
     if non_finite:  # imported as they are, to be looked at; sampling refuses them
         warnings.warn(
             f"{hf_dir}: {len(non_finite)} weight tensor(s) hold NaN or infinite values (the first: {non_finite[0]})",
@@ -198,8 +199,9 @@ def import_hf(hf_dir: str | Path) -> tuple[GPT, Tokenizer, str]:
 def _check_layer_count(weights: dict[str, torch.Tensor], key: str, n_layer: int, where: Path) -> None:
     """The weights hold layers 0 to n_layer - 1: checked before a model of n_layer blocks is built."""
     found = {int(m.group(1)) for name in weights if (m := LAYER_INDEX.search(name))}
-    if found != set(range(n_layer)):
-        held = f"{len(found)} layers" if found == set(range(len(found))) else f"layers {shown(sorted(found))}"
+    numbered = not found or max(found) == len(found) - 1  # 0 to N - 1 (the numbers are distinct and >= 0)
+    if len(found) != n_layer or not numbered:
+        held = f"{len(found)} layers" if numbered else f"layers {shown(sorted(found))}"
         raise GptforgeError(f"{where}: {key}={n_layer}, but the weights hold {held} (weights do not match config.json)")
 
 

@@ -49,10 +49,15 @@ def folder_file(hf_dir: Path, name: Any, named_in: str = "") -> Path:
     if named_in and (not isinstance(name, str) or not name or "\0" in name):
         raise GptforgeError(f"{named_in} is {shown(name)} (expected a file name inside {hf_dir})")
     root, path = _root(hf_dir), hf_dir / name
-    resolved = path.resolve()
+    what = f"{named_in} names {shown(name)}, which" if named_in else f"{path}:"
+    try:
+        resolved = path.resolve()
+        path.is_file()  # a name too long fails here, where it can be named
+    except (OSError, RuntimeError) as e:  # RuntimeError: a loop of links, before Python 3.13
+        raise GptforgeError(f"{what} cannot be opened ({getattr(e, 'strerror', None) or 'a loop of links'})") from None
     if resolved != root and root not in resolved.parents:
-        what = f"{named_in} names {shown(name)}, which leads" if named_in else f"{path}: a link to {resolved},"
-        raise GptforgeError(f"{what} outside {root} (an import reads only the files inside its folder)")
+        how = "leads" if named_in else f"a link to {resolved},"
+        raise GptforgeError(f"{what} {how} outside {root} (an import reads only the files inside its folder)")
     return path
 
 
@@ -61,7 +66,7 @@ def read_json(path: Path, kind: type, expected: str) -> Any:
     try:
         data = json.loads(read_text(path))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of too many digits, deep nesting
-        raise GptforgeError(f"{path}: not JSON ({type(e).__name__}: {str(e)[:120]})") from None
+        raise GptforgeError(f"{path}: not JSON ({type(e).__name__}: {str(e).split(';')[0][:120]})") from None
     if not isinstance(data, kind):
         raise GptforgeError(f"{path}: a JSON {type(data).__name__} (expected {expected})")
     return data

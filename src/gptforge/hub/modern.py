@@ -61,6 +61,7 @@ HF_DEFAULTS = {
     "arcee": dict(max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="relu2"),
     "apertus": dict(max_position_embeddings=65536, rms_norm_eps=1e-5, hidden_act="xielu", rope_theta=1.2e7),
 }
+DEFAULT_ROPE = {"apertus": {"rope_type": "llama3"}}  # what transformers puts in a null or missing rope_parameters
 SUPPORTED = "export supports gpt2 models and modern ones (rmsnorm, rotary, swiglu or relu2)"
 MODERN_NEEDS = {
     "norm": ("rmsnorm", "Llama/Qwen3 use RMSNorm"),
@@ -192,14 +193,14 @@ def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
     return config
 
 
-def _rope_theta(config: dict[str, Any], where: Path) -> float:
+def _rope_theta(config: dict[str, Any], kind: str, where: Path) -> float:
     """rope_parameters (transformers 5) or rope_theta + rope_scaling (earlier; transformers prefers it): only the
     plain rotation of every dimension."""
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    rope = config.get(key) or {}
+    rope = config.get(key) or DEFAULT_ROPE.get(kind, {})
     if not isinstance(rope, dict):
         raise GptforgeError(f"{where}: {key}={shown(rope)} (expected an object or null)")
-    check_supported({"rope_type": (rope.get("rope_type", rope.get("type", "default")), ("default",))}, where)
+    check_supported({f"{key}.rope_type": (rope.get("rope_type", rope.get("type", "default")), ("default",))}, where)
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     check_supported({"partial_rotary_factor": (partial, (None, 1, 1.0))}, where)
     extra = sorted(set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
@@ -232,6 +233,11 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     _, act, qk_norm, mlp_bias = ARCHITECTURES[kind]
     config = {"rope_theta": 10000.0, **HF_DEFAULTS[kind], **config}
     sizes = model_fields(config, FIELDS, where)
+    if sizes["n_embd"] % sizes["n_head"]:  # before the checks below divide by it
+        raise GptforgeError(
+            f"{where}: num_attention_heads={sizes['n_head']} does not divide hidden_size={sizes['n_embd']} "
+            "(each head gets hidden_size / num_attention_heads dimensions)"
+        )
     _layers_checks(config, sizes, where)
     bias = config.get("attention_bias", False)
     checks = {
@@ -241,13 +247,14 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
         "mlp_bias": (config.get("mlp_bias", False) if mlp_bias else bias, (bias,)),
         "use_sliding_window": (config.get("use_sliding_window", False), (False,)),
         "tie_word_embeddings": (config.get("tie_word_embeddings", False), (False, True)),
+        "architectures": (config.get("architectures"), (None, [ARCHITECTURES[kind][0]])),
     }
     check_supported(checks, where)
     cfg = GPTConfig(
         **sizes,
         norm="rmsnorm",
         position="rotary",
-        rope_theta=_rope_theta(config, where),
+        rope_theta=_rope_theta(config, kind, where),
         qk_norm=qk_norm,
         bias=bias,
         tie_embeddings=config.get("tie_word_embeddings", False),
