@@ -109,6 +109,11 @@ REFUSED = {  # case -> (folder, edit, what the one line says)
     "bool as a number": ("qwen3", config(hidden_size=True), r"hidden_size=true \(expected a positive integer\)"),
     "heads not dividing": ("qwen3", config(num_attention_heads=3), "num_attention_heads=3 does not divide hidden_size"),
     "rope_theta negative": ("qwen3", config(rope_parameters={"rope_theta": -1.0}), "rope_parameters.rope_theta=-1.0"),
+    "rope_theta whose table is NaN": (
+        "qwen3",
+        config(rope_parameters={"rope_theta": 1e-300}),
+        r"rope_parameters.rope_theta=1e-300 \(expected a number >= 1\)",
+    ),
     "rope_scaling beside rope_parameters": (
         "qwen3",
         config(rope_scaling={"rope_type": "yarn", "factor": 2.0}),

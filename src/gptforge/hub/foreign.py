@@ -76,7 +76,7 @@ def model_field(where: Path, key: str, value: Any, field: str) -> Any:
     """config.json's `key` as our GPTConfig `field`: its type (a bool is no number, 32.5 no integer), then its rule."""
     integer = FIELD_TYPES[field] is int
     if not integer and type(value) is int and value.bit_length() < 1000:
-        value = float(value)  # JSON spells 1.0 as 1
+        value = float(value)  # JSON spells 1.0 as 1; an integer past float's range stays one, refused below
     ok = type(value) is int and value >= 1 if integer else type(value) is float and math.isfinite(value) and value > 0
     positive, kind = ("a positive integer", "an integer") if integer else ("a positive number", "a number")
     if not ok:
