@@ -217,20 +217,22 @@ def _one_of(*names: str) -> tuple[Any, str]:
 
 _POSITIVE = ((lambda v: v > 0), "> 0")
 # What each checked key allows; every failure is one line naming the key, the value and this.
+# Sizes are bounded far past today's largest models (16k wide, 256k tokens), short of tensors too large to exist:
+# a hand-edited size is one line here, not an allocation failure later.
 RULES: dict[str, tuple[Any, str]] = {
-    "model.block_size": _at_least(1),
-    "model.vocab_size": _at_least(1),
-    "model.n_layer": _at_least(1),
+    "model.block_size": _within(1, 2**20, high_ok=True),
+    "model.vocab_size": _within(1, 2**24, high_ok=True),
+    "model.n_layer": _within(1, 2**14, high_ok=True),
     "model.n_head": _at_least(1),
-    "model.n_embd": _at_least(1),
+    "model.n_embd": _within(1, 2**16, high_ok=True),
     "model.vocab_multiple": _at_least(1),
     "model.dropout": _within(0, 1),
     "model.layer_norm_eps": _POSITIVE,
     "model.norm": _one_of("layernorm", "rmsnorm"),
     "model.position": _one_of("learned", "rotary"),
-    "model.rope_theta": _POSITIVE,
+    "model.rope_theta": _at_least(1),  # below 1 every dimension turns faster than a radian a token (tiny: NaN)
     "model.mlp": _one_of("gelu", "swiglu", "relu2"),
-    "model.mlp_hidden": _at_least(0),
+    "model.mlp_hidden": _within(0, 2**20, high_ok=True),
     "optim.lr": _POSITIVE,
     "optim.min_lr_ratio": _within(0, 1, high_ok=True),
     "optim.warmup_steps": _at_least(0),

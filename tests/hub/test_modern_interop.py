@@ -10,6 +10,7 @@ from gptforge.cli import main
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf, import_hf
+from gptforge.hub.modern import DEFAULT_ROPE, HF_DEFAULTS
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, GPTConfig
 
@@ -68,7 +69,7 @@ def test_modern_export_matches_transformers_logits_generation_and_imports_back(t
     assert transformers.AutoTokenizer.from_pretrained(out)("Hello world")["input_ids"] == [15496, 995]
 
     back, tokenizer, precision = import_hf(out)
-    assert (tokenizer, precision) == ("gpt2", "float32") and back.config == ours.config
+    assert (tokenizer.name, precision) == ("gpt2", "float32") and back.config == ours.config
     for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values(), strict=True):
         rows = 50257 if name in ("transformer.wte.weight", "lm_head.weight") else None
         assert torch.equal(a[:rows], b[:rows]), name
@@ -90,7 +91,7 @@ def test_a_transformers_written_llama_or_qwen3_imports_with_parity(tmp_path, kin
             p.normal_(1 if p.dim() == 1 else 0, 0.1)
     ref.save_pretrained(tmp_path / "hf")
     model, tokenizer, _ = import_hf(tmp_path / "hf")
-    assert tokenizer == "gpt2" and model.config.qk_norm == (kind == "qwen3") and model.config.hidden_size == 96
+    assert tokenizer.name == "gpt2" and model.config.qk_norm == (kind == "qwen3") and model.config.hidden_size == 96
     idx = torch.randint(0, 50257, (2, 40))
     torch.testing.assert_close(our_logits(model, idx), hf_logits(ref, idx), atol=1e-4, rtol=1e-4)
 
@@ -131,14 +132,14 @@ def test_zero_init_and_dropout_do_not_stop_an_export(tmp_path):
     "edit,message",
     [
         (dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported \\(grouped-query attention"),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type='llama3' is not supported"),
-        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_type='linear'"),
-        (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), 'rope_type="llama3" is not supported'),
+        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), 'rope_type="linear"'),
+        (dict(hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
         (dict(head_dim=32), "head_dim=32 is not supported"),
-        (dict(mlp_bias=True), "mlp_bias=True is not supported"),
+        (dict(mlp_bias=True), "mlp_bias=true is not supported"),
         (
             dict(model_type="mistral"),
-            "model_type 'mistral' is not supported \\(expected gpt2, llama, qwen3, arcee, apertus\\)",
+            'model_type "mistral" is not supported \\(expected gpt2, llama, qwen3, arcee, apertus\\)',
         ),
     ],
 )
@@ -154,9 +155,12 @@ def test_import_refuses_a_llama_config_gptforge_cannot_represent_in_one_line(tmp
 @pytest.mark.parametrize(
     "edit,message",
     [
-        (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True is not supported"),
-        (dict(attention_bias=True), "attention_bias=True is not supported"),
-        (dict(num_hidden_layers=3), "weights do not match config.json \\(missing model.layers.2"),
+        (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=true is not supported"),
+        (dict(attention_bias=True), "attention_bias=true is not supported"),
+        (
+            dict(num_hidden_layers=3, layer_types=["full_attention"] * 3),
+            "num_hidden_layers=3, but the weights hold 2 layers",
+        ),
         (dict(intermediate_size=64), "weights do not match config.json \\(model.layers.0.mlp.gate_proj.weight"),
     ],
 )
@@ -229,3 +233,12 @@ def test_every_shipped_preset_exports_to_a_transformers_architecture():
         cfg = load_config(name).model
         assert modern.exports_as_gpt2(cfg) or modern.model_type(cfg) in modern.ARCHITECTURES, name
     assert modern.model_type(load_config("modern-cpu").model) == "apertus"
+
+
+@pytest.mark.parametrize("kind", HF_DEFAULTS)
+def test_what_import_assumes_for_a_missing_key_is_what_transformers_assumes(kind):
+    """A config.json may leave keys out: the model we build must then be the one transformers builds."""
+    config = transformers.AutoConfig.for_model(kind)
+    for key, value in {"rope_theta": 10000.0, **HF_DEFAULTS[kind]}.items():
+        assert (config.rope_parameters[key] if key == "rope_theta" else getattr(config, key)) == value, key
+    assert config.rope_parameters["rope_type"] == DEFAULT_ROPE.get(kind, {}).get("rope_type", "default")

