@@ -65,28 +65,34 @@ def test_values_that_used_to_raise_or_to_pass_unchecked_are_400s_naming_the_argu
     assert error.param == param and len(error.message) < 200, error.body()
 
 
-TEXT = st.text(st.characters() | st.characters(categories=["Cs"]), max_size=8)  # lone surrogates too, as JSON allows
+SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)  # JSON's "\\ud800" alone makes one
+TEXT = st.text(max_size=8) | st.lists(st.characters() | SURROGATE, max_size=8).map("".join)
+EDGES = st.sampled_from([10**400, -(10**400), 2**63, float("nan"), float("inf"), 1e308, -0.0, "\ud800", "x\udfff", ""])
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.integers(10**300, 10**400) | st.floats() | TEXT,
+    EDGES | st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
     max_leaves=12,
 )
-KEYS = [
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "echo",
-    "stream_options", "best_of", "user", "logprobs", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
-]  # fmt: skip
-VALID = {"model": "run", "prompt": "def"}
-
-
-@settings(max_examples=400, deadline=None)
-@given(
-    st.one_of(
-        JSON,
-        st.dictionaries(st.sampled_from(KEYS), JSON, max_size=6).map(lambda d: {**VALID, **d}),
-        st.dictionaries(st.sampled_from(KEYS) | TEXT, JSON, max_size=4),
-    )
+PROMPT = TEXT | st.lists(TEXT | st.lists(st.integers(-1, 60_000), max_size=3), max_size=3)
+NEAR = {  # values mostly valid, some just past a limit: whole requests parse too, or fail on one argument
+    "stop": st.text(min_size=1, max_size=3) | st.lists(TEXT, max_size=5),
+    "max_tokens": st.integers(1, 55),
+    "n": st.integers(1, 4),
+    "temperature": st.floats(0, 2.1),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(0, 100),
+    "seed": st.integers(),
+    "stream": st.booleans(),
+    "echo": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+}
+REQUESTS = st.fixed_dictionaries(
+    {"model": TEXT, "prompt": PROMPT}, optional={key: value | EDGES for key, value in NEAR.items()}
 )
-def test_any_json_value_is_parsed_or_refused_in_openai_form(body):
+
+
+def parsed_or_refused(body) -> None:
+    """parse_completion's promise: a request within the limits, its text valid Unicode; or a 400 in OpenAI's form."""
     try:
         req = parse_completion(body, LIMITS)
     except ApiError as e:
@@ -95,4 +101,17 @@ def test_any_json_value_is_parsed_or_refused_in_openai_form(body):
         return
     assert 1 <= req.max_tokens <= LIMITS.max_tokens and 1 <= req.n <= LIMITS.max_n and 0 <= req.temperature <= 2
     for text in [*req.prompts, *req.stop]:
-        assert isinstance(text, list) or text.encode()  # what the tokenizer gets: valid Unicode
+        if isinstance(text, str):
+            text.encode()  # what the tokenizer gets is valid Unicode: this raises for a lone surrogate
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON | st.dictionaries(st.sampled_from(list(NEAR)) | TEXT, JSON, max_size=4))
+def test_any_json_value_is_parsed_or_refused_in_openai_form(body):
+    parsed_or_refused(body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(REQUESTS)
+def test_requests_near_valid_ones_are_parsed_within_the_limits_or_refused(body):
+    parsed_or_refused(body)
