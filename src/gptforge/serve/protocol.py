@@ -97,12 +97,11 @@ def _stop(value: Any) -> list[str]:
 
 
 def _check_unicode(values: list, key: str) -> None:
-    """JSON's escapes can make a lone surrogate (a "\\ud800" without its pair), which is not text: UTF-8 cannot
-    encode it, so neither can a tokenizer."""
-    for value in values:
+    """JSON's escapes can make a lone surrogate (a "\\ud800" without its pair): not text that UTF-8 can encode, so
+    a tokenizer would fail on it or change it."""
+    for value in (v for v in values if isinstance(v, str)):  # not token ids
         try:
-            if isinstance(value, str):
-                value.encode()
+            value.encode()
         except UnicodeEncodeError as e:
             bad = ascii(value[e.start : e.end])
             raise ApiError(400, f"'{key}' holds a lone surrogate ({bad}), which is not valid Unicode", key) from None
