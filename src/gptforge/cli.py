@@ -174,9 +174,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ImportError as e:  # the optional extra is not installed
         raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
 
-    limits = Limits(args.max_tokens, args.max_n, queue=args.queue, request_timeout=args.request_timeout)
+    limits = Limits(
+        args.max_tokens,
+        args.max_n,
+        queue=args.queue,
+        request_timeout=args.request_timeout,
+        read_timeout=args.read_timeout,
+    )
     serve(
-        args.path, args.host, args.port, args.api_key, limits, tuple(args.cors), args.device, args.dtype, args.threads
+        args.path,
+        args.host,
+        args.port,
+        args.api_key,
+        limits,
+        cors=tuple(args.cors),
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        allow_hosts=tuple(args.allow_host),
     )
 
 
@@ -400,7 +415,20 @@ def _add_serve_command(sub) -> None:
     s.add_argument(
         "--request-timeout", type=_at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
     )
+    s.add_argument(
+        "--read-timeout",
+        type=_at_least(0.1, float),
+        default=30.0,
+        help="seconds to send a request's head, then its body; a stalled one is cut off (default 30)",
+    )
     s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="allow browser calls from ORIGIN")
+    s.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="answer requests whose Host is NAME too ('*': any); by default only the --host address's names",
+    )
     s.add_argument(
         "--threads",
         type=_at_least(1),

@@ -15,6 +15,13 @@ from tests.helpers import cli
 def serving(path, *flags, log=None):
     """`gptforge serve PATH --port 0 --threads 1 FLAGS` in a subprocess; yields its base URL (http://127.0.0.1:PORT).
     One thread: the tests' machine runs other work beside it (see --threads in the README)."""
+    with server_process(path, *flags, log=log) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(path, *flags, log=None):
+    """serving(), yielding the base URL and the server's Popen."""
     with open(log, "w") if log else contextlib.nullcontext(subprocess.DEVNULL) as err:
         server = subprocess.Popen(
             cli("serve", path, "--port", "0", "--threads", "1", *flags), stdout=subprocess.PIPE, stderr=err, text=True
@@ -25,7 +32,7 @@ def serving(path, *flags, log=None):
             first = lines.get(timeout=120)
             url = re.search(r"http://127\.0\.0\.1:\d+", first)
             assert url, f"no address in {first!r} (exit code {server.poll()})"
-            yield url.group(0)
+            yield url.group(0), server
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -106,7 +106,7 @@ def test_a_bad_key_an_unknown_model_a_huge_body_and_bad_json(client, server):
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gamma", prompt="x")
     assert caught.value.body["code"] == "model_not_found"
-    auth = {"Authorization": f"Bearer {KEY}"}
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     huge = httpx.post(f"{server}/v1/completions", content=b"x" * (2 << 20), headers=auth, timeout=30)
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     bad = httpx.post(f"{server}/v1/completions", content=b"{nope", headers=auth, timeout=30)

@@ -10,17 +10,39 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gptforge.files import to_json
 from gptforge.serve.engine import Engine, Event, Job
-from gptforge.serve.protocol import ApiError, CompletionRequest, choice, completion_object, parse_completion
+from gptforge.serve.protocol import ApiError, CompletionRequest, Limits, choice, completion_object, parse_completion
+
+ROUTES = "gptforge serve answers GET /v1/models and POST /v1/completions"
+CHAT = (
+    "gptforge serve answers the completions API of base models, which have no chat format: "
+    "POST /v1/completions with a prompt"
+)
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's error body, ASCII-escaped: a message may quote the client's own string, lone surrogates and all."""
+    if e.status in (408, 413):  # answered before the body was read to its end: the rest is not worth waiting for
+        headers = {**(headers or {}), "Connection": "close"}
+    return Response(json.dumps(e.body()), e.status, headers, media_type="application/json")
+
+
+def no_route(request: Request, exc: HTTPException) -> Response:
+    """Starlette's 404 and 405, in OpenAI's form under /v1 and /api (plain text for the page's files)."""
+    path = request.url.path
+    if not path.startswith(("/v1/", "/api/")):
+        return PlainTextResponse(exc.detail, exc.status_code, exc.headers)
+    if exc.status_code == 405:
+        message = f"Invalid method for URL ({request.method} {path}): use {exc.headers.get('Allow', 'another')}"
+    else:
+        message = f"Invalid URL ({request.method} {path}): {CHAT if path.startswith('/v1/chat/') else ROUTES}"
+    return error_response(ApiError(exc.status_code, message), exc.headers)
 
 
 def routes(engine: Engine) -> list[Route]:
@@ -33,7 +55,7 @@ def routes(engine: Engine) -> list[Route]:
     async def completions(request: Request) -> Response:
         events = None
         try:
-            req = parse_completion(await _json_body(request, engine.limits.max_body_bytes), engine.limits)
+            req = parse_completion(await _json_body(request, engine.limits), engine.limits)
             events = _events(engine, req, request)
             first = await anext(events)  # the model loaded and the prompts fit, or the error to answer with
             if first[0] == "error":
@@ -54,19 +76,43 @@ def routes(engine: Engine) -> list[Route]:
     return [Route("/v1/models", list_models), Route("/v1/completions", completions, methods=["POST"])]
 
 
-async def _json_body(request: Request, limit: int):
-    """The request's JSON, refusing a body over `limit` bytes (413) before reading it all."""
+async def _json_body(request: Request, limits: Limits):
+    """The request's JSON: sent as application/json (else 415), at most `limits.max_body_bytes` (413), arriving
+    within `limits.read_timeout` (408)."""
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":  # a web page can send the other types to any site without asking it first
+        raise ApiError(
+            415,
+            f"send the body as JSON, with Content-Type: application/json (got {kind or 'none'})",
+            None,
+            "unsupported_media_type",
+        )
+    limit = limits.max_body_bytes
     if int(request.headers.get("content-length") or 0) > limit:
         raise ApiError(413, f"request body over {limit:,} bytes", None, "request_too_large")
+    try:
+        body = await asyncio.wait_for(_read(request, limit), limits.read_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {limits.read_timeout:g} s", None, "request_timeout"
+        ) from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client went away", None, "client_disconnected") from None
+    try:
+        return json.loads(body)
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python converts (4,300)
+        raise ApiError(400, f"the request body is not JSON ({e})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to read") from None
+
+
+async def _read(request: Request, limit: int) -> bytearray:
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
             raise ApiError(413, f"request body over {limit:,} bytes", None, "request_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not JSON ({e})") from None
+    return body
 
 
 async def _events(engine: Engine, req: CompletionRequest, request: Request) -> AsyncIterator[Event]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hmac
 import ipaddress
+import signal
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +17,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gptforge.errors import GptforgeError
 from gptforge.serve import api, page
@@ -21,6 +26,83 @@ from gptforge.serve.protocol import ApiError, Limits
 from gptforge.serve.runs import check_root, find_sources
 
 GUARDED = ("/v1/", "/api/")  # the page and its static files load without the key; the page then asks for it
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+EVERY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The names a request's Host header may give: `names` ('*' in it: any), or any IP address if `any_ip`."""
+
+    names: frozenset[str]
+    any_ip: bool = False
+
+    def allows(self, name: str) -> bool:
+        if "*" in self.names or name in self.names:
+            return True
+        if not self.any_ip:
+            return False
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+
+def hosts_for(host: str, allowed: tuple[str, ...] = ()) -> Hosts:
+    """The Host names of a server bound to --host `host`: loopback's names, that address, or any IP address and
+    localhost when bound to every address; plus the --allow-host names."""
+    names = {"*" if name == "*" else _host_arg(name) for name in allowed}
+    if "" in names:
+        bad = next(name for name in allowed if not _host_arg(name))
+        raise GptforgeError(f"--allow-host {bad!r}: expected a host name such as myhost.lan (or '*': any)")
+    bound = _host_arg(host)
+    every = bound in EVERY_ADDRESS
+    if every or _is_loopback(bound):
+        names |= LOOPBACK
+    return Hosts(frozenset(names | {bound} - {""}), any_ip=every)
+
+
+def host_name(header: str) -> str:
+    """A Host header's name, without its port: 'Example.org:8000' -> 'example.org', '[::1]:8000' -> '::1'."""
+    name = header[1:].partition("]")[0] if header.startswith("[") else header.partition(":")[0]
+    return name.strip().lower().removesuffix(".")
+
+
+def _host_arg(value: str) -> str:
+    """A --host or --allow-host value as host_name gives it (an IPv6 address may come without its brackets)."""
+    return host_name(f"[{value}]" if value.count(":") > 1 and not value.startswith("[") else value)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class CheckHost:
+    """Answers 400 in OpenAI's form to a request whose Host is not a name of this server: a web page on a name
+    that its DNS then points at this machine (DNS rebinding) could otherwise read the runs and drive the model."""
+
+    def __init__(self, app: ASGIApp, hosts: Hosts) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            name = host_name(header)
+            if not name or not self.hosts.allows(name):
+                error = ApiError(
+                    400,
+                    f"this server does not answer to the Host {header!r} "
+                    f"(start it with --allow-host {name or 'NAME'} to reach it by that name)",
+                    None,
+                    "invalid_host",
+                )
+                await api.error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class RequireKey:
@@ -48,7 +130,9 @@ def build_app(
     cors: tuple[str, ...] = (),
     device: str = "auto",
     dtype: str = "auto",
+    hosts: Hosts | None = None,
 ) -> Starlette:
+    """The app; `hosts` None answers any Host (for a caller that is the only one to reach it, as tests are)."""
     engine = Engine(root, limits or Limits(), device, dtype)
     middleware = [Middleware(RequireKey, key=api_key)] if api_key else []
     if cors:  # only when asked: a page on another site could otherwise drive this server from a visitor's browser
@@ -61,16 +145,20 @@ def build_app(
                 allow_headers=["Authorization", "Content-Type"],
             ),
         )
-    return Starlette(routes=[*api.routes(engine), *page.routes(root)], middleware=middleware)
+    if hosts is not None:
+        middleware.insert(0, Middleware(CheckHost, hosts=hosts))
+    app = Starlette(
+        routes=[*api.routes(engine), *page.routes(root)],
+        middleware=middleware,
+        exception_handlers={404: api.no_route, 405: api.no_route},
+    )
+    app.state.engine = engine
+    return app
 
 
 def check_binding(host: str, api_key: str | None) -> None:
     """Anything but loopback is reachable by others: it needs a key."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not api_key:
+    if not _is_loopback(host) and not api_key:
         raise GptforgeError(
             f"--host {host} lets anyone who can reach this machine run the model and read the runs: "
             "give --api-key KEY too (or keep the default --host 127.0.0.1)"
@@ -103,17 +191,89 @@ def serve(
     device: str = "auto",
     dtype: str = "auto",
     threads: int | None = None,
+    allow_hosts: tuple[str, ...] = (),
 ) -> None:
-    """Serve until Ctrl-C; prints the address (with the port --port 0 chose) first."""
+    """Serve until Ctrl-C or SIGTERM; prints the address (with the port --port 0 chose) first."""
     root = check_root(path)
     check_binding(host, api_key)
+    hosts = hosts_for(host, allow_hosts)
     if threads:  # beside a training run on the same CPU, more threads than are free make each token far slower
         torch.set_num_threads(threads)
     sock = bind(host, port)
-    app = build_app(root, api_key, limits, cors, device, dtype)
+    app = build_app(root, api_key=api_key, limits=limits, cors=cors, device=device, dtype=dtype, hosts=hosts)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}"
     names = ", ".join(find_sources(root)) or "none yet"
     print(f"serving {path} ({names}) at {url}/  OpenAI API: {url}/v1", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=[sock])
+    config = uvicorn.Config(
+        app,
+        http=functools.partial(BoundedH11, read_timeout=limits.read_timeout),
+        ws="none",  # no route takes a WebSocket (and an upgraded connection would keep BoundedH11's timer)
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with contextlib.suppress(Terminated):
+            Server(config, app.state.engine).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(Exception):
+    """SIGTERM, once uvicorn has shut down (it raises the signal again then): a clean end, exit status 0."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which on shutdown first ends the completions being generated: their streams then send
+    their last chunks and [DONE] within uvicorn's grace period, rather than being cut off at its end."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.engine.stop()
+        await super().shutdown(sockets)
+
+
+class BoundedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a time limit on a request's head: its own keep-alive timer starts again
+    with every byte, so a client sending half a head and then nothing (or a byte a minute) held its connection
+    for ever. The body has its limit in api._json_body."""
+
+    def __init__(self, *args, read_timeout: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout, self.head_timer = read_timeout, None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._wait_for_head()
+
+    def on_response_complete(self) -> None:
+        self._wait_for_head()
+        super().on_response_complete()  # may start a pipelined request, whose head is here already
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a request's head has arrived
+            self._stop_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def _wait_for_head(self) -> None:
+        self._stop_timer()
+        # what uvicorn does at the end of its keep-alive time: close the connection (unless closing already)
+        self.head_timer = self.loop.call_later(self.read_timeout, self.timeout_keep_alive_handler)
+
+    def _stop_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None

@@ -55,6 +55,7 @@ class Engine:
         self._model_lock = threading.Lock()  # one generation at a time: it uses every core (or the GPU) already
         self._count_lock = threading.Lock()
         self.in_flight = 0
+        self.stopping = threading.Event()  # see stop()
         self._loaded: OrderedDict[str, tuple[Path, Inference]] = OrderedDict()
 
     def admit(self) -> None:
@@ -66,6 +67,11 @@ class Engine:
                 )
             self.in_flight += 1
 
+    def stop(self) -> None:
+        """The server is shutting down: a request generating ends its choices as "length" at its next token (its
+        stream then ends as usual, with [DONE]); those still waiting are answered 503."""
+        self.stopping.set()
+
     def work(self, job: Job) -> None:
         """The worker thread of one admitted request; `job.cancel` set by the client going away ends it."""
         last: Event | None = None
@@ -73,6 +79,8 @@ class Engine:
             if not self._model_lock.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
                 raise ApiError(429, "the server stayed busy for this request's whole time limit", None, "server_busy")
             try:  # a client that left while waiting costs nothing more
+                if self.stopping.is_set():
+                    raise ApiError(503, "the server is shutting down; retry later", None, "server_shutting_down")
                 usage = None if job.cancel.is_set() else self._generate(job)
             finally:
                 self._model_lock.release()
@@ -118,7 +126,7 @@ class Engine:
             for j in range(req.n):
                 job.emit(("text", first + j, tok.decode(ids)))
         steps = stream(run.model, ids, req.max_tokens, req.n, req.temperature, req.top_k, req.top_p, tok.eot, g)
-        while not job.cancel.is_set() and time.monotonic() < job.deadline:
+        while not job.cancel.is_set() and not self.stopping.is_set() and time.monotonic() < job.deadline:
             with autocast(run.device, run.dtype):  # around the model only
                 nxt = next(steps, None)
             if nxt is None:
@@ -130,7 +138,7 @@ class Engine:
                 break
         if not job.cancel.is_set():
             for j, c in enumerate(texts):
-                if c.finish_reason is None:  # max_tokens, or the time limit
+                if c.finish_reason is None:  # max_tokens, the time limit or a shutdown
                     job.finish_part(first + j, c, "length")
         return sum(len(c.ids) for c in texts)
 

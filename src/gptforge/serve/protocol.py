@@ -3,7 +3,6 @@ and the response and stream-chunk objects."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ class Limits:
     max_body_bytes: int = 1 << 20
     queue: int = 8  # requests waiting while one generates; more are answered 429
     request_timeout: float = 120.0  # seconds from arrival, waiting included; then the text so far ends as "length"
+    read_timeout: float = 30.0  # seconds to send a request's head, and then its body: a stalled one is cut off (408)
 
 
 @dataclass
@@ -59,10 +59,17 @@ def _number(body: dict, key: str, default, low: float, high: float, integer: boo
     if value is None:
         return default
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not math.isfinite(value) or not low <= value <= high:
+    # the comparison rejects NaN and the infinities, and compares an int of any size exactly (no float conversion)
+    if isinstance(value, bool) or not ok or not low <= value <= high:
         kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"'{key}' must be {kind} in [{low}, {high}], got {value!r}", key, "invalid_value")
+        raise ApiError(400, f"'{key}' must be {kind} in [{low}, {high}], got {_shown(value)}", key, "invalid_value")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A client's value in a message, cut short: JSON allows an integer of 4,300 digits."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -72,17 +79,32 @@ def _prompts(value: Any) -> list[str | list[int]]:
         return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
     if isinstance(value, str) or is_ids(value):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
-        return list(value)
-    raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
+        prompts = list(value)
+    else:
+        raise ApiError(400, "'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+    _check_unicode(prompts, "prompt")
+    return prompts
 
 
 def _stop(value: Any) -> list[str]:
     stops = [value] if isinstance(value, str) else value if value is not None else []
     if not (isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)):
         raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    _check_unicode(stops, "stop")
     return stops
+
+
+def _check_unicode(values: list, key: str) -> None:
+    """JSON's escapes can make a lone surrogate (a "\\ud800" without its pair): not text that UTF-8 can encode, so
+    a tokenizer would fail on it or change it."""
+    for value in (v for v in values if isinstance(v, str)):  # not token ids
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            bad = ascii(value[e.start : e.end])
+            raise ApiError(400, f"'{key}' holds a lone surrogate ({bad}), which is not valid Unicode", key) from None
 
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
@@ -125,7 +147,7 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
 def _flag(body: dict, key: str) -> bool:
     value = body.get(key, False)
     if value is not None and not isinstance(value, bool):
-        raise ApiError(400, f"'{key}' must be true or false, got {value!r}", key)
+        raise ApiError(400, f"'{key}' must be true or false, got {_shown(value)}", key)
     return bool(value)
 
 
