@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from gptforge.errors import GptforgeError
 from gptforge.model.generate import generate, sample_next, stream
 from gptforge.model.gpt import GPT, GPTConfig
 
@@ -60,3 +62,25 @@ def test_seeded_sampling_is_reproducible_and_stops_at_eot():
     assert stopped[0] == a[0][:2]  # everything from the EOT on is dropped
     steps = list(stream(model, [1, 2], 20, 3, eot=eot, generator=torch.Generator().manual_seed(7)))
     assert all(int(s[0]) == eot for s in steps[2:])
+
+
+def test_a_tiny_temperature_is_greedy_in_effect_not_an_error():
+    model = tiny()
+    greedy = generate(model, [1, 2, 3], 12, temperature=0)
+    for t in (1e-40, 1e-300, 5e-324):  # 5e-324: the smallest positive float
+        g = torch.Generator().manual_seed(0)
+        assert generate(model, [1, 2, 3], 12, num_samples=2, temperature=t, top_k=None, generator=g) == greedy * 2
+
+
+def test_a_diverged_model_is_an_error_on_the_greedy_path_too():
+    model = tiny()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for kwargs in ({"temperature": 0}, {"temperature": 1.0, "top_k": 1}, {"temperature": 0.7}):
+        with pytest.raises(GptforgeError, match="diverged"):
+            generate(model, [1, 2, 3], 4, **kwargs)
+    logits = torch.zeros(2, 10)
+    logits[1, 3] = float("inf")
+    with pytest.raises(GptforgeError, match="diverged"):
+        sample_next(logits, temperature=0)

@@ -156,3 +156,23 @@ def test_the_page_gets_a_long_log_in_at_most_2000_points_and_only_when_it_change
         f.write(json.dumps({**train, "step": 5001, "loss": 0.5}) + "\n")
     grown = client.get("/api/runs/long/metrics", params={"version": first["version"]}).json()
     assert grown["train"]["step"][-1] == 5001
+
+
+def test_a_diverged_checkpoint_is_503_greedy_too_and_a_tiny_temperature_is_greedy(runs_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(runs_dir / "alpha", run)
+    engine = Engine(tmp_path, Limits())
+    greedy = completion(engine, {"max_tokens": 6, "temperature": 0, "seed": 1})
+    tiny_t = completion(engine, {"max_tokens": 6, "temperature": 1e-40, "seed": 1})
+    assert greedy[-1][0] == "done" and greedy[1:-1] == tiny_t[1:-1]
+
+    weights = run / "checkpoints" / "step_000004" / "model.safetensors"
+    save_file({k: v.fill_(float("nan")) for k, v in load_file(weights).items()}, weights)
+    engine = Engine(tmp_path, Limits())
+    for temperature in (0, 0.8):
+        (kind, error), *_ = [
+            e for e in completion(engine, {"max_tokens": 4, "temperature": temperature}) if e[0] != "start"
+        ]
+        assert kind == "error" and error.status == 503 and "diverged" in error.message

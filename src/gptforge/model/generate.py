@@ -21,10 +21,17 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token id per row of (B, V) logits; greedy when temperature is 0."""
+    """One token id per row of (B, V) logits; greedy when temperature is 0. Non-finite logits (a diverged model)
+    are an error on every path, greedy included."""
     if temperature <= 0 or top_k == 1:  # greedy, however asked: the same token, and no random number drawn
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+        chosen = logits.argmax(dim=-1)
+        _check_finite(logits.gather(-1, chosen[:, None]))  # argmax picks a NaN or +inf if there is one
+        return chosen
+    # In float64 and relative to the row's maximum, a tiny temperature sends every other logit to -inf rather
+    # than the maximum to inf (inf - inf is NaN): 1e-40 is greedy in effect, as it should be.
+    logits = logits.double()
+    _check_finite(logits.amax(dim=-1))
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -36,9 +43,13 @@ def sample_next(
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
-    if not torch.isfinite(probs).all():  # inf/nan logits: a diverged model, not something to sample from
-        raise GptforgeError("the model's next-token probabilities are not finite (its weights have diverged)")
+    _check_finite(probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_finite(values: torch.Tensor) -> None:
+    if not torch.isfinite(values).all():  # inf/nan logits: a diverged model, not something to sample from
+        raise GptforgeError("the model's next-token probabilities are not finite (its weights have diverged)")
 
 
 def _forward(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
