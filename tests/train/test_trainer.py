@@ -81,6 +81,13 @@ def test_batch_must_divide(data_dir, tmp_path):
         train(tiny_cfg(data_dir, "train.batch_tokens=100"), tmp_path / "r")
 
 
+def test_a_model_larger_than_the_machines_memory_is_refused_before_it_is_built(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("gptforge.train.setup.physical_memory", lambda: 2**30)
+    message = r"the model has 3,200,026,496 parameters \(11.9 GiB in fp32\), more than this machine's 1.0 GiB"
+    with pytest.raises(GptforgeError, match=message):
+        train(tiny_cfg(data_dir, "model.vocab_multiple=100000000"), tmp_path / "r")
+
+
 def test_missing_data(tmp_path):
     with pytest.raises(GptforgeError, match="no manifest.json"):
         train(tiny_cfg(tmp_path / "nowhere"), tmp_path / "r")
