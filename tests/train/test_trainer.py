@@ -88,6 +88,12 @@ def test_a_model_larger_than_the_machines_memory_is_refused_before_it_is_built(d
         train(tiny_cfg(data_dir, "model.vocab_multiple=100000000"), tmp_path / "r")
 
 
+def test_an_empty_sample_prompt_starts_a_fresh_document(data_dir, tmp_path):
+    train(tiny_cfg(data_dir, "train.max_steps=1", "eval.prompt=", "eval.sample_tokens=4"), tmp_path / "r")
+    samples = [json.loads(line) for line in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == ["", ""]  # at the first and the last step
+
+
 def test_missing_data(tmp_path):
     with pytest.raises(GptforgeError, match="no manifest.json"):
         train(tiny_cfg(tmp_path / "nowhere"), tmp_path / "r")
