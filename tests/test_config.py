@@ -104,6 +104,13 @@ def test_out_of_range_values_are_one_line_naming_key_value_and_range(override, m
         load_config("tiny", [override])
 
 
+@pytest.mark.parametrize("n_head", [24, 8])
+def test_rotary_with_an_odd_head_size_is_refused_naming_the_keys(n_head):
+    with pytest.raises(GptforgeError, match=r"model.position=rotary needs an even head size, but model.n_embd=.* / "):
+        load_config("tiny", ["model.position=rotary", "model.n_embd=24", f"model.n_head={n_head}"])
+    load_config("tiny", ["model.position=learned", "model.n_embd=24", f"model.n_head={n_head}"])  # no pairs needed
+
+
 def test_values_are_checked_in_presets_and_checkpoints_too(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nn_embd = 64\nn_head = 3\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import struct
 import warnings
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from gptforge.config import Config, config_from_dict, to_dict
@@ -233,13 +235,44 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / META).read_text(encoding="utf-8"))
 
 
+def weights_misfit(model: GPT, path: Path) -> str | None:
+    """How the tensors of safetensors file `path` differ from `model`'s in names and shapes (layers shown as h.*),
+    or None; only the file's header is read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 - not a dict
+    except (SafetensorError, OSError):
+        return None  # unreadable: loading says so
+    tied: dict[int, list[str]] = {}  # one entry per tensor, with all its names (the tied embedding has two)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tied.setdefault(id(tensor), []).append(name)
+    missing, unexpected, shapes = [], [], []
+    for names in tied.values():
+        found = [n for n in names if n in saved]
+        missing += names[:1] if not found else []
+        unexpected += found[1:]  # a tied tensor saved twice: the file's model had them apart
+        want = list(model.state_dict()[names[0]].shape)
+        shapes += [f"{n} {saved[n]} in the file, {want} in the model" for n in found[:1] if saved[n] != want]
+    known = {n for names in tied.values() for n in names}
+    unexpected += [n for n in saved if n not in known]
+    parts = (("missing", missing), ("unexpected", unexpected), ("shape of", shapes))
+    return "; ".join(f"{what} {_names(found)}" for what, found in parts if found) or None
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    """Tensor names with every layer's index as *, each once: the first `most`, and how many more."""
+    unique = list(dict.fromkeys(re.sub(r"\.h\.\d+\.", ".h.*.", n) for n in names))
+    return ", ".join(unique[:most] + ([f"{len(unique) - most} more"] if len(unique) > most else []))
+
+
 def _load_weights(model: GPT, ckpt: Path, device: torch.device | str) -> None:
+    misfit = weights_misfit(model, ckpt / "model.safetensors")
+    if misfit:
+        raise GptforgeError(f"{ckpt / 'model.safetensors'}: does not fit the model ({misfit})")
     try:
         load_model(model, str(ckpt / "model.safetensors"), device=str(device))
-    except (RuntimeError, OSError) as e:  # a hand-edited config or a damaged file: the first line says which
-        raise GptforgeError(
-            f"{ckpt / 'model.safetensors'}: does not fit the model ({str(e).splitlines()[0]})"
-        ) from None
+    except (RuntimeError, OSError) as e:  # a damaged file: the first informative line says how
+        raise GptforgeError(f"{ckpt / 'model.safetensors'}: does not fit the model ({first_detail(e)})") from None
 
 
 @dataclass

@@ -269,23 +269,32 @@ RULES: dict[str, tuple[Any, str]] = {
 
 
 def validate(cfg: Config, where: str = "") -> Config:
-    """Check every value against RULES (and n_head dividing n_embd); the first failure is one line."""
+    """Check every value against RULES, then the combinations of keys; the first failure is one line."""
     where = f"{where}: " if where else ""
     for dotted, (ok, allowed) in RULES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
             raise GptforgeError(f"{where}{dotted}={value!r} (expected {allowed})")
-    if cfg.model.n_embd % cfg.model.n_head:
-        raise GptforgeError(
-            f"{where}model.n_head={cfg.model.n_head} must divide model.n_embd={cfg.model.n_embd} "
-            "(each head gets n_embd / n_head dimensions)"
+    problem = _combination_problem(cfg)
+    if problem:
+        raise GptforgeError(f"{where}{problem}")
+    return cfg
+
+
+def _combination_problem(cfg: Config) -> str | None:
+    """What is wrong with a combination of keys that each pass RULES, or None."""
+    m = cfg.model
+    if m.n_embd % m.n_head:
+        return f"model.n_head={m.n_head} must divide model.n_embd={m.n_embd} (each head gets n_embd / n_head dims)"
+    if m.position == "rotary" and (m.n_embd // m.n_head) % 2:
+        return (
+            f"model.position=rotary needs an even head size, but model.n_embd={m.n_embd} / model.n_head={m.n_head} "
+            f"= {m.n_embd // m.n_head} (rotary turns each head's dimensions in pairs)"
         )
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
-        raise GptforgeError(
-            f"{where}optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
-        )
-    return cfg
+        return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
+    return None
 
 
 def preset_path(name: str, flag: str = "--config") -> Path:

@@ -43,7 +43,7 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "src" / "blank.txt").write_text("   \n")
     with pytest.raises(GptforgeError, match="empty corpus"):
         prepare(str(tmp_path / "src"), tmp_path / "out", workers=1)
-    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out").exists()  # found before anything was created
 
 
 def test_missing_source(tmp_path):
@@ -274,6 +274,49 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     with pytest.raises(GptforgeError, match=message):
         prepare(str(tmp_path), tmp_path / "out", **flags)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"tokenizer": "missing.json"}, "unknown tokenizer 'missing.json'"),
+        ({"decontaminate": ["missing.jsonl"]}, r"missing\.jsonl: cannot read"),
+        ({"text_field": "body"}, r"d\.jsonl:1: expected a JSON object with a string field 'body'"),
+    ],
+)
+def test_a_flag_found_wrong_while_reading_fails_before_the_folder_exists(tmp_path, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3)))
+    with pytest.raises(GptforgeError, match=message):
+        prepare("d.jsonl", "out", workers=1, **flags)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(tmp_path, monkeypatch):
+    import gptforge.data.prepare as prep
+
+    src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
+    with pytest.raises(GptforgeError, match="all held out for validation"):
+        prepare(str(src), out, val_fraction=0.9999999, shard_tokens=50, workers=1)
+    assert json.loads((out / "progress.json").read_text())["shards"], "it had written shards"
+    fixed = prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)  # no --force needed
+    left = sorted(p.name for p in out.iterdir() if p.name != ".lock")
+    assert left == sorted(["manifest.json", *(s["file"] for s in fixed["shards"])])  # no shard of the failed one
+
+    killed, real = tmp_path / "killed", prep.documents  # a killed prepare keeps its shards for the same command
+
+    def interrupted(source, field):
+        for i, doc in enumerate(real(source, field)):
+            if i == 8:
+                raise RuntimeError("killed")  # as a kill midway would stop it
+            yield doc
+
+    monkeypatch.setattr(prep, "documents", interrupted)
+    monkeypatch.setattr(prep, "BATCH_DOCS", 1)
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare(str(src), killed, val_fraction=0, shard_tokens=50, workers=1)
+    with pytest.raises(GptforgeError, match=r"killed: holds an unfinished prepare with other settings"):
+        prepare(str(src), killed, val_fraction=0, shard_tokens=60, workers=1)
 
 
 def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):

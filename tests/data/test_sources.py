@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import pytest
 
@@ -89,6 +90,30 @@ def test_missing_sources(tmp_path):
         documents(str(tmp_path / "nope"), "text")
     with pytest.raises(GptforgeError, match="no files match"):
         documents(str(tmp_path / "*.jsonl"), "text")
+
+
+def test_what_is_not_a_corpus_says_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "broken").symlink_to("nowhere")
+    (tmp_path / "saved").mkdir()  # what datasets' save_to_disk writes
+    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
+        (tmp_path / "saved" / name).write_text("{}")
+    (tmp_path / "code").mkdir()
+    for name in ("a.js", "b.js", "c.c"):
+        (tmp_path / "code" / name).write_text("int x;")
+    (tmp_path / "empty").mkdir()
+    expected = r"\(expected \.jsonl, \.md, \.parquet, \.py, \.rst, \.txt, optionally \.gz"
+    cases = [
+        ("fifo", r"fifo: not a regular file or folder \(a FIFO, socket or device is not a corpus\)"),
+        ("broken", r"broken: a link to nowhere, which does not exist"),
+        ("saved", rf"saved: a folder written by datasets' save_to_disk; read it as hf:{tmp_path}/saved"),
+        ("code", rf"code: no file of a kind prepare reads {expected}; found 2 \.js, 1 \.c\)"),
+        ("code/a.js", rf"a.js: no file of a kind prepare reads {expected}; found 1 \.js\)"),
+        ("empty", rf"empty: no files in it {expected}\)"),
+    ]
+    for name, message in cases:
+        with pytest.raises(GptforgeError, match=message):
+            documents(str(tmp_path / name), "text")
 
 
 def test_symlink_loops_and_aliases_are_read_once(tmp_path):

@@ -86,6 +86,8 @@ def test_lm_eval_flags_are_checked_before_the_model_loads(tmp_path, offline, cap
         (["--lm-eval", "gf_nope", "--include-path", str(tmp_path)], "unknown task(s) ['gf_nope'] for lm-eval"),
         (["--lm-eval", "gf_nope", "--include-path", str(tmp_path / "missing")], "missing: no such folder"),
         (["--include-path", str(tmp_path)], "only used with --lm-eval TASKS"),
+        (["--lm-eval", ",,", "--include-path", str(tmp_path)], "--lm-eval: no task named (expected comma-separated"),
+        (["--lm-eval", "", "--data", str(tmp_path)], "--lm-eval: no task named"),
     ]
     for flags, message in cases:
         assert main(["eval", str(ckpt), *flags]) == 1

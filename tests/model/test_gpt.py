@@ -27,6 +27,17 @@ def test_gpt2_124m_parameter_count_and_padding():
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_num_weights_counts_every_parameter_of_every_block_without_building_it():
+    import itertools
+
+    choices = itertools.product(("layernorm", "rmsnorm"), ("learned", "rotary"), (False, True), ("gelu", "swiglu"))
+    for norm, position, flag, mlp in choices:
+        cfg = dataclasses.replace(
+            tiny(), norm=norm, position=position, qk_norm=flag, bias=flag, tie_embeddings=not flag, mlp=mlp
+        )
+        assert cfg.num_weights == sum(p.numel() for p in GPT(cfg).parameters()), cfg
+
+
 def test_padded_vocabulary_is_never_scored():
     model = GPT(tiny(vocab_size=1000, vocab_multiple=128))
     assert model.transformer.wte.weight.shape[0] == 1024

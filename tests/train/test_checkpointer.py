@@ -106,8 +106,54 @@ def test_a_new_max_steps_on_resume_is_honoured_and_said(saved_run, data_dir, tmp
 def test_a_resume_cannot_change_the_model_shape(saved_run, data_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
-    with pytest.raises(GptforgeError, match=r"the checkpoint's model has model.n_layer=2; a resume cannot change"):
+    with pytest.raises(GptforgeError, match=r"the checkpoint's model has model.n_layer=2 \(now 3\); a resume cannot"):
         train(tiny(data_dir, "train.max_steps=4", "model.n_layer=3"), run, resume="auto")
+
+
+@pytest.mark.parametrize(
+    "change,keys,tensors",
+    [
+        ("model.qk_norm=true", "model.qk_norm=False (now True)", "missing transformer.h.*.attn.q_norm.weight, "),
+        ("model.position=rotary", "model.position='learned' (now 'rotary')", "unexpected transformer.wpe.weight"),
+        ("model.tie_embeddings=false", "model.tie_embeddings=True (now False)", "missing transformer.wte.weight"),
+        ("model.mlp=swiglu", "model.mlp='gelu' (now 'swiglu')", "shape of transformer.h.*.mlp.c_fc.weight [128, 32] "),
+    ],
+)
+def test_a_resume_that_changes_the_blocks_structure_names_the_keys_and_tensors(
+    saved_run, data_dir, tmp_path, change, keys, tensors
+):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(GptforgeError) as caught:
+        train(tiny(data_dir, "train.max_steps=4", change), run, resume="auto")
+    message = str(caught.value)
+    assert message.startswith(f"the checkpoint's model has {keys}; a resume cannot change the model's structure")
+    assert f"(its weights against the new model: {tensors}" in message and "\n" not in message
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # config.toml still the run's
+
+
+def test_a_resume_that_switches_the_optimizer_is_one_line_either_way(saved_run, data_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    with pytest.raises(GptforgeError, match=r"optim.optimizer=muon: the checkpoint trained with adamw, and a"):
+        train(tiny(data_dir, "train.max_steps=4", "optim.optimizer=muon"), run, resume="auto")
+    train(tiny(data_dir, "train.max_steps=1", "optim.optimizer=muon"), tmp_path / "muon")
+    with pytest.raises(GptforgeError, match=r"optim.optimizer=adamw: the checkpoint trained with muon, and a"):
+        train(tiny(data_dir, "train.max_steps=2", "optim.optimizer=adamw"), tmp_path / "muon", resume="auto")
+
+
+def test_weights_that_do_not_fit_their_config_name_the_tensors_in_eval_and_init_from(saved_run, data_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_run / "checkpoints" / "step_000004", ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["config"]["model"]["qk_norm"] = True  # a hand edit: the weights have no QK-norm gains
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    message = r"model.safetensors: does not fit the model \(missing transformer.h.\*.attn.q_norm.weight, .*k_norm"
+    with pytest.raises(GptforgeError, match=message):
+        load_checkpoint(ckpt)
+    with pytest.raises(GptforgeError, match=message):
+        train(tiny(data_dir, "train.max_steps=1", f"train.init_from={ckpt}"), tmp_path / "run")
 
 
 def test_an_existing_run_is_never_overwritten(saved_run, data_dir, tmp_path):

@@ -81,6 +81,19 @@ def test_batch_must_divide(data_dir, tmp_path):
         train(tiny_cfg(data_dir, "train.batch_tokens=100"), tmp_path / "r")
 
 
+def test_a_model_larger_than_the_machines_memory_is_refused_before_it_is_built(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("gptforge.train.setup.physical_memory", lambda: 2**30)
+    message = r"the model has 3,200,026,496 parameters \(11.9 GiB in fp32\), more than this machine's 1.0 GiB"
+    with pytest.raises(GptforgeError, match=message):
+        train(tiny_cfg(data_dir, "model.vocab_multiple=100000000"), tmp_path / "r")
+
+
+def test_an_empty_sample_prompt_starts_a_fresh_document(data_dir, tmp_path):
+    train(tiny_cfg(data_dir, "train.max_steps=1", "eval.prompt=", "eval.sample_tokens=4"), tmp_path / "r")
+    samples = [json.loads(line) for line in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == ["", ""]  # at the first and the last step
+
+
 def test_missing_data(tmp_path):
     with pytest.raises(GptforgeError, match="no manifest.json"):
         train(tiny_cfg(tmp_path / "nowhere"), tmp_path / "r")

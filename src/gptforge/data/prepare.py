@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -185,9 +186,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _tokenizer_for(out: Path, settings: dict[str, Any], train_vocab: int | None, resuming: bool) -> Tokenizer:
-    """GPT-2, a given tokenizer file, or a BPE trained on the training split; file-based ones go to OUT."""
-    if train_vocab is not None:
+def _tokenizer_for(
+    out: Path, settings: dict[str, Any], train_vocab: int | None, resuming: bool, given: Tokenizer | None
+) -> Tokenizer:
+    """The `given` tokenizer (GPT-2 or a file), or a BPE trained on the training split; file-based ones go to OUT."""
+    if given is None:
         if resuming and (out / TOKENIZER_FILE).is_file():
             return load_tokenizer(TOKENIZER_FILE, out)
         docs = _nonempty(documents(settings["source"], settings["text_field"]))
@@ -198,11 +201,10 @@ def _tokenizer_for(out: Path, settings: dict[str, Any], train_vocab: int | None,
         )
         print(f"training a {train_vocab}-token byte-level BPE on {settings['source']}", flush=True)
         return train_bpe(train_docs, train_vocab, out / TOKENIZER_FILE)
-    tok = load_tokenizer(settings["tokenizer"])
-    if tok.path is not None and tok.path.resolve() != (out / TOKENIZER_FILE).resolve():
-        atomic_write(out / TOKENIZER_FILE, tok.path.read_bytes())  # the data folder carries its own tokenizer
-        tok = load_tokenizer(TOKENIZER_FILE, out)
-    return tok
+    if given.path is not None and given.path.resolve() != (out / TOKENIZER_FILE).resolve():
+        atomic_write(out / TOKENIZER_FILE, given.path.read_bytes())  # the data folder carries its own tokenizer
+        return load_tokenizer(TOKENIZER_FILE, out)
+    return given
 
 
 def prepare(
@@ -244,12 +246,16 @@ def prepare(
     done = _read_json(out / MANIFEST)
     if done is not None and done.get("settings") == settings and not force:
         return _already_prepared(out, done)  # decided reading only, so a finished read-only folder works
+    docs, tok, ngrams = _checked_inputs(docs, source, tokenizer, train_tokenizer, decontaminate)
     try:
         with locked(out, "prepare"):
             folder = _destination(out, settings, force)
             if folder is None:  # another prepare finished it since the check above
                 return _already_prepared(out, _read_json(out / MANIFEST))
-            manifest = _build(docs, folder, settings, train_tokenizer, decontaminate, workers)
+            with _marked_if_failed(folder):
+                manifest = _build(
+                    docs, folder, settings, given=tok, train_tokenizer=train_tokenizer, ngrams=ngrams, workers=workers
+                )
             if folder != out:
                 swap_dir(folder, out.resolve())
             return manifest
@@ -259,6 +265,33 @@ def prepare(
         raise GptforgeError(
             f"cannot write {out}: {e.strerror}; fix that and run the same command again (it resumes)"
         ) from None
+
+
+def _checked_inputs(
+    docs: Iterator[Document], source: str, tokenizer: str, train_tokenizer: int | None, decontaminate: list[str]
+) -> tuple[Iterator[Document], Tokenizer | None, frozenset[int]]:
+    """The documents with text (the first one read), the given tokenizer and the evaluation n-grams: a wrong
+    --tokenizer, --decontaminate or --text-field, or a corpus without text, fails before the folder exists."""
+    tok = load_tokenizer(tokenizer) if train_tokenizer is None else None
+    ngrams = eval_ngrams(decontaminate) if decontaminate else frozenset()
+    docs = _nonempty(docs)
+    first = next(docs, None)
+    if first is None:
+        raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
+    return itertools.chain([first], docs), tok, ngrams
+
+
+@contextlib.contextmanager
+def _marked_if_failed(folder: Path) -> Iterator[None]:
+    """An error (not a kill, Ctrl-C or full disk, which the same command resumes) marks the folder's progress.json
+    failed: a corrected command with other settings may then start over there without --force."""
+    try:
+        yield
+    except GptforgeError:
+        progress = _read_json(folder / PROGRESS)
+        if progress is not None:
+            atomic_write(folder / PROGRESS, json.dumps({**progress, "failed": True}))
+        raise
 
 
 def _already_prepared(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +308,13 @@ def _remove_stale_temps(folder: Path) -> None:
     no other prepare is writing them."""
     for path in stale_temp_files(folder, OWN_FILES):
         path.unlink(missing_ok=True)
+
+
+def _remove_own_files(folder: Path) -> None:
+    """Delete the files a superseded unfinished prepare wrote (shards, tokenizer, progress); nothing else."""
+    for path in folder.iterdir():
+        if re.fullmatch(OWN_FILES, path.name) and path.is_file():
+            path.unlink()
 
 
 def _check_flags(
@@ -299,8 +339,8 @@ def _destination(out: Path, settings: dict[str, Any], force: bool) -> Path | Non
     done, progress = _read_json(out / MANIFEST), _read_json(out / PROGRESS)
     if done is not None and done.get("settings") == settings and not force:
         return None
-    if done is None and progress is not None and (progress.get("settings") == settings or not progress.get("shards")):
-        return out  # resume; or start over, as nothing was written yet
+    if done is None and progress is not None and _resumable(progress, settings):
+        return out  # resume; or start over, as nothing was written yet or that attempt failed
     if is_empty_dir(out):
         return out
     prior = done or progress
@@ -319,6 +359,12 @@ def _destination(out: Path, settings: dict[str, Any], force: bool) -> Path | Non
     return temp_dir_for(final)
 
 
+def _resumable(progress: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """An unfinished prepare that this one continues (same settings) or starts over: one that wrote no shard yet,
+    or failed with an error (whose corrected command has other settings)."""
+    return progress.get("settings") == settings or not progress.get("shards") or bool(progress.get("failed"))
+
+
 def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     """The first setting that differs, as 'FLAG was OLD, now NEW'."""
     for key, flag in SETTING_FLAGS.items():
@@ -331,8 +377,9 @@ def _build(
     docs: Iterator[Document],
     out: Path,
     settings: dict[str, Any],
+    given: Tokenizer | None,
     train_tokenizer: int | None,
-    decontaminate: list[str],
+    ngrams: frozenset[int],
     workers: int | None,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
@@ -340,9 +387,9 @@ def _build(
     progress = _read_json(out / PROGRESS)
     resuming = progress is not None and progress.get("settings") == settings
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
+        _remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
         atomic_write(out / PROGRESS, json.dumps({"settings": settings, "dropped_before_last_shard": 0, "shards": []}))
-    tok = _tokenizer_for(out, settings, train_tokenizer, resuming)
-    ngrams = eval_ngrams(decontaminate) if decontaminate else frozenset()
+    tok = _tokenizer_for(out, settings, train_tokenizer, resuming, given)
     writers = {s: ShardWriter(out, s, settings["shard_tokens"], dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
     dropped = 0
     if resuming and progress.get("shards"):
@@ -359,7 +406,7 @@ def _build(
             f"{source}: only {writers['val'].docs} document(s), all held out for validation "
             "(add documents, or pass --val-fraction 0)"
         )
-    if decontaminate:
+    if settings["decontaminate"]:
         print(
             f"decontamination: dropped {dropped:,} training document(s) sharing a 13-gram with "
             f"{', '.join(settings['decontaminate'])}",
@@ -396,7 +443,7 @@ def _tokenize(
     start = min(w.next_doc for w in writers.values())
 
     def jobs() -> Iterator[tuple[int, str, str]]:
-        for index, (name, text) in enumerate(_nonempty(docs)):
+        for index, (name, text) in enumerate(docs):  # documents with text (`_checked_inputs`)
             split = "val" if is_validation(name, index, settings["val_fraction"], settings["seed"]) else "train"
             if index >= start and index >= writers[split].next_doc:
                 yield index, split, text

@@ -6,7 +6,9 @@ Names are stable (relative to the source) because the validation split is chosen
 from __future__ import annotations
 
 import glob
+import os
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from gptforge.files import format_suffix, read_jsonl, read_text, reading
 
 TEXT_KINDS = {".txt", ".py", ".md", ".rst"}
 KINDS = TEXT_KINDS | {".jsonl", ".parquet"}
+# Files that mark a folder written by `datasets`' save_to_disk (a Dataset's, a DatasetDict's).
+SAVED_DATASET = ("state.json", "dataset_dict.json", "dataset_info.json")
 # Named sources: (SOURCE, text field). Both stream from the Hugging Face hub.
 PRESETS = {
     "fineweb-edu-10b": ("hf:HuggingFaceFW/fineweb-edu:sample-10BT", "text"),
@@ -97,6 +101,10 @@ def _files(source: str) -> list[tuple[Path, str]]:
         named = [(root, root.name)]
     elif root.is_dir():
         named = [(p, p.relative_to(root).as_posix()) for p in root.rglob("*")]
+    elif root.exists():
+        raise GptforgeError(f"{source}: not a regular file or folder (a FIFO, socket or device is not a corpus)")
+    elif root.is_symlink():
+        raise GptforgeError(f"{source}: a link to {os.readlink(root)}, which does not exist")
     else:
         raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
     files, seen = [], set()
@@ -104,9 +112,21 @@ def _files(source: str) -> list[tuple[Path, str]]:
         if path.is_file() and format_suffix(path) in KINDS and path.resolve() not in seen:
             seen.add(path.resolve())
             files.append((path, name))
-    if not files and glob.has_magic(source):
-        raise GptforgeError(f"{source}: no files match (expected {', '.join(sorted(KINDS))}, optionally .gz)")
+    if not files:
+        raise GptforgeError(_nothing_to_read(source, [p for p, _ in named if p.is_file()]))
     return files
+
+
+def _nothing_to_read(source: str, found: list[Path]) -> str:
+    """Why a path, folder or glob gives no file to read: a saved dataset (read with hf:), or which kinds it holds."""
+    expected = f"expected {', '.join(sorted(KINDS))}, optionally .gz"
+    if any((Path(source) / marker).is_file() for marker in SAVED_DATASET) and not glob.has_magic(source):
+        return f"{source}: a folder written by datasets' save_to_disk; read it as hf:{source}"
+    if not found:
+        return f"{source}: no files {'match' if glob.has_magic(source) else 'in it'} ({expected})"
+    kinds = Counter(format_suffix(p) or "no extension" for p in found).most_common()
+    shown = ", ".join(f"{n} {kind}" for kind, n in kinds[:5]) + (", ..." if len(kinds) > 5 else "")
+    return f"{source}: no file of a kind prepare reads ({expected}; found {shown})"
 
 
 def _glob(pattern: str) -> list[Path]:

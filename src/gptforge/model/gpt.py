@@ -74,6 +74,18 @@ class GPTConfig:
         return -(-8 * self.n_embd // 192) * 64 if self.mlp == "swiglu" else 4 * self.n_embd
 
     @property
+    def num_weights(self) -> int:
+        """Parameters a model of this config holds (padded vocabulary, tied weights once), without building it."""
+        C, H, bias = self.n_embd, self.hidden_size, int(self.bias)
+        norm = C if self.norm == "rmsnorm" else C * (1 + bias)
+        branches = 2 if self.mlp == "swiglu" else 1
+        attn = 4 * C * C + 4 * C * bias + (2 * (C // self.n_head) if self.qk_norm else 0)
+        mlp = (branches + 1) * H * C + branches * H * bias + C * bias
+        tables = (1 if self.tie_embeddings else 2) * self.padded_vocab_size * C
+        positions = self.block_size * C if self.position == "learned" else 0
+        return tables + positions + self.n_layer * (2 * norm + attn + mlp) + norm
+
+    @property
     def is_gpt2(self) -> bool:
         """Every component is GPT-2's (the `gpt2*` presets)."""
         parts = (self.norm, self.position, self.qk_norm, self.bias, self.tie_embeddings, self.mlp, self.zero_init)

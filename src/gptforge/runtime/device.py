@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -35,6 +36,14 @@ def resolve_device(name: str = "auto", flag: str = "train.device") -> torch.devi
     if device.type == "mps" and not (mps and mps.is_available()):
         raise GptforgeError(f"{flag}={name!r}: Apple MPS is not available on this machine")
     return device
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
 
 
 def cpu_has_native_bf16() -> bool:

@@ -14,6 +14,7 @@ from gptforge.checkpoint import (
     restore_training_state,
     save_checkpoint,
     step_of,
+    weights_misfit,
 )
 from gptforge.config import Config, config_from_dict, load_config, to_dict
 from gptforge.data.prefetch import Prefetcher
@@ -60,7 +61,8 @@ class Checkpointer:
         s = self.setup
         check_resume_tokenizer(ckpt, self.tokenizer, self.cfg.data.path)  # before the shapes could mismatch
         before = config_from_dict(read_meta(ckpt)["config"])
-        changes = config_changes(before, self.cfg)  # refuses a new model shape before loading anything
+        misfit = weights_misfit(s.model, ckpt / "model.safetensors")
+        changes = config_changes(before, self.cfg, misfit)  # refuses a new structure before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
         if meta.get("data", self.data) != self.data:
             warnings.warn(
@@ -113,10 +115,13 @@ def resume_config(run_dir: Path, resume: str, overrides: list[str]) -> Config:
 
 # Model fields that shape the weights: a resume cannot change them.
 SHAPE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "vocab_multiple")
+# Model fields that decide which weights there are.
+STRUCTURE = (*SHAPE, "norm", "position", "qk_norm", "bias", "tie_embeddings", "mlp", "mlp_hidden")
 
 
-def config_changes(before: Config, now: Config) -> list[str]:
-    """'section.key: old -> new' for each setting that differs; a change of the model's shape is an error."""
+def config_changes(before: Config, now: Config, misfit: str | None = None) -> list[str]:
+    """'section.key: old -> new' for each setting that differs. Another optimizer, a change of the model's shape, or
+    `misfit` (how the checkpoint's weights differ from the new model's) is an error naming the keys."""
     old, new = to_dict(before), to_dict(now)
     changes = [
         f"{section}.{key}: {old[section].get(key)!r} -> {value!r}"
@@ -124,11 +129,18 @@ def config_changes(before: Config, now: Config) -> list[str]:
         for key, value in values.items()
         if old[section].get(key) != value
     ]
-    shape = [k for k in SHAPE if getattr(before.model, k) != getattr(now.model, k)]
-    if shape:
-        theirs = ", ".join(f"model.{k}={getattr(before.model, k)}" for k in shape)
+    if before.optim.optimizer != now.optim.optimizer:
         raise GptforgeError(
-            f"the checkpoint's model has {theirs}; a resume cannot change the model's shape "
-            "(resume with the run's own config, or start a new run with train.init_from)"
+            f"optim.optimizer={now.optim.optimizer}: the checkpoint trained with {before.optim.optimizer}, and a "
+            f"resume continues its optimizer's state (resume with optim.optimizer={before.optim.optimizer}, or start "
+            "a new run from its weights with train.init_from)"
+        )
+    differ = [k for k in STRUCTURE if getattr(before.model, k) != getattr(now.model, k)]
+    if misfit or set(differ) & set(SHAPE):
+        theirs = ", ".join(f"model.{k}={getattr(before.model, k)!r} (now {getattr(now.model, k)!r})" for k in differ)
+        raise GptforgeError(
+            f"the checkpoint's model has {theirs or 'other weights'}; a resume cannot change the model's structure"
+            f"{f' (its weights against the new model: {misfit})' if misfit else ''}: resume with the run's own "
+            "model settings, or train the new model in a new folder"
         )
     return changes

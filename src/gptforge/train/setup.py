@@ -18,8 +18,8 @@ from gptforge.config import Config
 from gptforge.data.shards import read_manifest
 from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.model.gpt import GPT
-from gptforge.runtime.device import DTYPES, resolve_dtype, setup_fast_math
+from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.runtime.device import DTYPES, physical_memory, resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.train.optim import build_optimizer, lr_at
@@ -99,6 +99,17 @@ def grad_accumulation(cfg: Config, world: int) -> int:
     return cfg.train.batch_tokens // (B * T * world)
 
 
+def check_model_fits(model_cfg: GPTConfig) -> None:
+    """Refuse a model whose fp32 weights alone exceed this machine's memory (every model is built there first)."""
+    need, have = 4 * model_cfg.num_weights, physical_memory()
+    if have and need > have:
+        raise GptforgeError(
+            f"the model has {model_cfg.num_weights:,} parameters ({need / 2**30:,.1f} GiB in fp32), more than this "
+            f"machine's {have / 2**30:,.1f} GiB of memory: lower model.n_layer, model.n_embd, model.vocab_multiple "
+            "or model.block_size"
+        )
+
+
 @dataclass
 class TrainSetup:
     model: GPT
@@ -123,6 +134,7 @@ def build(
     setup_fast_math(device)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     grad_accum = grad_accumulation(cfg, env.world_size)
+    check_model_fits(cfg.model)
     model = GPT(cfg.model)
     if weights is not None:
         model.load_state_dict(weights)
