@@ -69,9 +69,9 @@ def measure(mode: str, docs: list[tuple[str, str]], examples: int) -> None:
         rows = removed.get(f.name, [])
         shown = "; ".join(f"`{n}` ({r})" for n, _, r in rows[:examples])
         print(f"| {f.name} | {len(rows):,} | {sum(b for _, b, _ in rows):,} | {shown} |")
-    languages = [language_of(name) for name, _ in docs]
-    first = best_of_three(lambda: [first_failure(filters, t, lang) for (_, t), lang in zip(docs, languages)])
-    every = best_of_three(lambda: [f.reason(t, lang) for (_, t), lang in zip(docs, languages) for f in filters])
+    labelled = [(text, language_of(name)) for name, text in docs]
+    first = best_of_three(lambda: [first_failure(filters, text, lang) for text, lang in labelled])
+    every = best_of_three(lambda: [f.reason(text, lang) for text, lang in labelled for f in filters])
     print(f"speed: first failure {size / 1e6 / first:.1f} MB/s, every filter {size / 1e6 / every:.1f} MB/s")
 
 

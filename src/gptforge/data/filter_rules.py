@@ -3,7 +3,7 @@
 Sources, cited per rule:
 - CodeParrot: transformers/examples/research_projects/codeparrot/scripts/preprocessing.py (after Codex).
 - The Stack / StarCoder: bigcode-project/bigcode-dataset preprocessing/filtering.py; DeepSeek-Coder §2 repeats it.
-- StarCoder2 (arXiv:2402.19173 §3): long-line and alphabetic filters per language, the encoded-data regexes.
+- StarCoder2 (arXiv:2402.19173 §3): long-line and alphabetic filters per language, the encoded-data filter.
 - Gopher (arXiv:2112.11446 App. A, Table A1), C4 (Raffel et al. 2020 §2.2), FineWeb: thresholds and
   semantics as datatrove implements them (GopherQualityFilter, GopherRepetitionFilter, C4QualityFilter,
   FineWebQualityFilter). Where we differ (words are regex runs, not spaCy tokens; C4 counts lines, it does
@@ -228,7 +228,7 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit multiplier combining word has
 def _words(text: str) -> tuple[list[str], int]:
     """The words, and the number of tokens (words and symbol runs)."""
     words = _WORD.findall(text)
-    return words, len(words) + len(_SYMBOLS.findall(text))
+    return words, len(words) + _SYMBOLS.subn("", text)[1]
 
 
 @functools.lru_cache(maxsize=1)
