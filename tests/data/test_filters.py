@@ -18,6 +18,7 @@ from gptforge.data.filters import (
     WebSettings,
     build_filters,
     clean_settings,
+    describe,
     first_failure,
 )
 from gptforge.data.languages import language_of
@@ -220,7 +221,7 @@ def test_repeated_ngrams_count_characters_once_and_skip_first_occurrences():
     # 20 distinct words, then the same 20 again: the second copy (and only it) is covered by repeated 5-grams
     words = [f"word{i:02d}" for i in range(20)]
     text = " ".join(words + words)
-    from gptforge.data.filter_rules import _ngram_chars
+    from gptforge.data.web_rules import _ngram_chars
 
     top, dup = _ngram_chars(text)
     assert dup == {n: 20 * 6 for n in range(5, 11)}
@@ -312,3 +313,10 @@ def test_code_filters_remove_little_of_the_standard_library():
         for name in removed
         if removed[name][0] != "code.min_chars"
     )
+
+
+def test_describe_lists_every_threshold_with_its_default_and_documentation():
+    text = describe()
+    assert "code.max_line_length = 1000\n      Longest line allowed" in text
+    assert "web.max_dup_10gram = 0.1" in text and "web.c4_terminal_punctuation = False" in text
+    assert "code.encoded_data" in text.splitlines()[-1]

@@ -4,18 +4,20 @@ A Filter keeps a document (its `reason` is None) or says in a few words why it g
 by filter name, the first failing filter winning. Filters judge only the kinds of document they were made
 for (languages.py): code rules skip prose, web rules skip code, and a document of unknown language (a JSONL
 record) is judged by every filter of the mode. Filters and settings pickle, for worker processes.
-The rules and their thresholds are in filter_rules.py, each with the source it comes from.
+The rules are in code_rules.py and web_rules.py, each with the source its threshold comes from.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptforge.data import filter_rules as rules
+from gptforge.data import code_rules, web_rules
 from gptforge.data.languages import kind_of
 from gptforge.errors import GptforgeError
 
@@ -168,7 +170,7 @@ def _problem(value: Any, typ: type, limits: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Filter:
-    """One named rule. `check` is a module-level function of filter_rules, so a Filter pickles by reference."""
+    """One named rule; `check` is a module-level function (code_rules, web_rules), so a Filter pickles."""
 
     name: str
     check: Callable[[str, str | None, Any], str | None]
@@ -189,7 +191,7 @@ def build_filters(mode: str, settings: CleanSettings | None = None) -> list[Filt
     if mode not in CLEAN_MODES:
         raise GptforgeError(f"--clean {mode!r}: expected one of {', '.join(CLEAN_MODES)}")
     settings = settings or CleanSettings()
-    table = {"none": (), "code": rules.CODE_RULES, "web": rules.WEB_RULES}[mode]
+    table = {"none": (), "code": code_rules.CODE_RULES, "web": web_rules.WEB_RULES}[mode]
     section = settings.web if mode == "web" else settings.code
     return [Filter(name, check, section, kinds) for name, check, kinds in table if name not in settings.skip]
 
@@ -203,7 +205,7 @@ def first_failure(filters: Iterable[Filter], text: str, language: str | None = N
     return None
 
 
-FILTER_NAMES = tuple(name for table in (rules.CODE_RULES, rules.WEB_RULES) for name, _, _ in table)
+FILTER_NAMES = tuple(name for table in (code_rules.CODE_RULES, web_rules.WEB_RULES) for name, _, _ in table)
 
 
 def clean_settings(overrides: Iterable[str] = (), flag: str = "--clean-set") -> CleanSettings:
@@ -242,3 +244,24 @@ def _parsed(value: str, section: str, name: str, where: str) -> Any:
         return typ(value) if typ is not bool else value
     except ValueError:
         return value  # left for the section's validation, which names what was expected
+
+
+def describe() -> str:
+    """Every threshold with its default and docstring, then the filter names, for a `--help-clean` listing."""
+    out = []
+    for section, cls in (("code", CodeSettings), ("web", WebSettings)):
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            out.append(f"  {section}.{f.name} = {f.default!r}" + (f"\n      {docs[f.name]}" if f.name in docs else ""))
+    out.append(f"  skip = NAME,... from: {', '.join(FILTER_NAMES)}")
+    return "\n".join(out)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right after each annotated field."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {
+        node.target.id: str(nxt.value.value)
+        for node, nxt in zip(body, body[1:], strict=False)
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
