@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.files import read_text
 from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
@@ -35,6 +36,10 @@ else:
 class DataConfig:
     path: str = ""
     """Folder written by `gptforge prepare` (manifest.json + shards); `--data` sets it."""
+    mix: list[str] = field(default_factory=list)
+    """Instead of `path`: several prepared folders trained on at once, as FOLDER=WEIGHT entries (TOML: a list of
+    strings; --set: comma-separated). Each folder's share of the training windows is its weight over their sum,
+    in every stretch of training; its val split is scored on its own (val `loss/NAME`, `bpb/NAME`)."""
     shuffle: bool = True
     """Serve training windows in a seeded random order each epoch (else in corpus order)."""
 
@@ -157,6 +162,11 @@ class Config:
 
 def _coerce(value: Any, typ: type, where: str, parse: bool) -> Any:
     """Parse a `--set` string (parse=True) or check a TOML/JSON value against a field's type."""
+    if typing.get_origin(typ) is list:  # of strings; comma-separated after --set
+        items = [item.strip() for item in value.split(",") if item.strip()] if parse else value
+        if not (isinstance(items, list) and all(isinstance(item, str) for item in items)):
+            raise GptforgeError(f"{where}: expected a list of strings, got {type(value).__name__} {value!r}")
+        return list(items)
     if parse and typ is not str:
         text = value.strip().lower()
         try:
@@ -292,6 +302,14 @@ def _combination_problem(cfg: Config) -> str | None:
             f"model.position=rotary needs an even head size, but model.n_embd={m.n_embd} / model.n_head={m.n_head} "
             f"= {m.n_embd // m.n_head} (rotary turns each head's dimensions in pairs)"
         )
+    if cfg.data.mix and cfg.data.path:
+        raise GptforgeError(
+            f"{where}data.mix and data.path (--data) are exclusive: a mix lists its folders, data.path is one folder"
+        )
+    try:
+        parse_mix(cfg.data.mix)
+    except GptforgeError as e:
+        raise GptforgeError(f"{where}{e}") from None
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
     return None

@@ -49,6 +49,12 @@ def read_metrics(run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", 
     return {kind: [r for r in records if r.get("kind") == kind] for kind in kinds}
 
 
+def val_sources(records: list[dict]) -> list[str]:
+    """The folders of a mix whose val numbers `records` carry (as `loss/NAME`, `bpb/NAME`), in the order logged."""
+    names = {key[5:]: None for record in records for key in record if key.startswith("loss/")}
+    return list(names)
+
+
 def finite(records: list[dict], key: str) -> list[dict]:
     """The records whose `key` is a finite number (a diverged step logs null)."""
     return [r for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]

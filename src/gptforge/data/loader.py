@@ -71,14 +71,21 @@ class TokenLoader:
                 f"{batch_size} x {seq_len + 1} tokens x {world_size} rank(s)"
             )
         self.epoch, self.position = 0, 0
-        self._order = self._epoch_order()
+        self._order = self.order(0)
 
-    def _epoch_order(self) -> np.ndarray:
+    @property
+    def epoch_windows(self) -> int:
+        """Windows an epoch serves: every window but the tail that cannot fill a global batch."""
+        return self.batches_per_epoch * self.B * self.world
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The window indices in the order epoch `epoch` serves them."""
         if not self.shuffle:
             return np.arange(self.n_windows)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n_windows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
-    def _window(self, w: int) -> np.ndarray:
+    def window(self, w: int) -> np.ndarray:
+        """Window `w`'s T+1 tokens."""
         start, end = w * self.T, w * self.T + self.T + 1
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1
         pieces = []
@@ -94,7 +101,7 @@ class TokenLoader:
         """This rank's next (x, y), both (B, T) int64; advances to a new shuffled epoch when one runs out."""
         if self.position >= self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order()
+            self._order = self.order(self.epoch)
         first = self.position * self.B * self.world + self.rank * self.B
         self.position += 1
         return self.batch(self._order[first : first + self.B])
@@ -102,7 +109,7 @@ class TokenLoader:
     def batch(self, windows) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) for the given window indices; y is x shifted by one token."""
         self.verifier.check()
-        buf = torch.from_numpy(np.stack([self._window(int(w)) for w in windows]).astype(np.int64))
+        buf = torch.from_numpy(np.stack([self.window(int(w)) for w in windows]).astype(np.int64))
         return buf[:, :-1], buf[:, 1:]
 
     def verify(self) -> None:
@@ -120,11 +127,27 @@ class TokenLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        shape = (state["batch_size"], state["seq_len"], state["world_size"])
-        if shape != (self.B, self.T, self.world):
-            raise GptforgeError(
-                f"cannot resume the data position: saved with batch {shape[0]} x {shape[1]} on {shape[2]} rank(s), "
-                f"now {self.B} x {self.T} on {self.world}"
-            )
+        if "sources" in state:
+            raise GptforgeError("cannot resume the data position: it was saved by a run on a mix (data.mix)")
+        check_batch_shape(state, self.B, self.T, self.world)
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
-        self._order = self._epoch_order()
+        self._order = self.order(self.epoch)
+
+    def progress(self, state: dict[str, Any]) -> dict[str, float]:
+        """The epochs served by the position `state` (a `state_dict()`), for the train records."""
+        return {"epoch": state["epoch"] + state["position"] / self.batches_per_epoch}
+
+    def describe(self, tokens: int) -> str:
+        """What training on `tokens` tokens makes of this split: the run's plan, printed at its start."""
+        epoch = self.epoch_windows * self.T
+        return f"data: {epoch:,} tokens an epoch; the planned {tokens:,} tokens are {tokens / epoch:.2f} epochs"
+
+
+def check_batch_shape(state: dict[str, Any], batch_size: int, seq_len: int, world_size: int) -> None:
+    """Refuse a saved data position taken with another batch shape: its windows and epochs mean other text."""
+    shape = (state["batch_size"], state["seq_len"], state["world_size"])
+    if shape != (batch_size, seq_len, world_size):
+        raise GptforgeError(
+            f"cannot resume the data position: saved with batch {shape[0]} x {shape[1]} on {shape[2]} rank(s), "
+            f"now {batch_size} x {seq_len} on {world_size}"
+        )

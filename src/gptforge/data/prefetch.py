@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from gptforge.data.loader import TokenLoader
+from gptforge.data.mixture import MixtureLoader
 
 
 class Prefetcher:
-    def __init__(self, loader: TokenLoader, depth: int = 4, pin_memory: bool = False) -> None:
+    def __init__(self, loader: TokenLoader | MixtureLoader, depth: int = 4, pin_memory: bool = False) -> None:
         self.loader, self.pin_memory = loader, pin_memory
         self._state = loader.state_dict()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))

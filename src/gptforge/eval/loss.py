@@ -60,6 +60,29 @@ def evaluate_loss(
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": int(sums[1].item())}
 
 
+def bytes_per_token(manifest: dict, split: str) -> float:
+    """UTF-8 bytes per token of a split; unknown (NaN) for shard folders that did not record bytes."""
+    stats = manifest["splits"][split]
+    return stats["bytes"] / stats["tokens"] if stats["bytes"] else float("nan")
+
+
+def mixture_loss(
+    scores: dict[str, dict[str, float]], shares: dict[str, float], bytes_per_token: dict[str, float]
+) -> dict[str, float]:
+    """A mixture's validation numbers from its sources' `scores`: the loss is their mean weighted by the mixture's
+    `shares` (the expected loss of a token drawn from the mix), bpb the bits of that token over its expected bytes
+    (sum of share x bits per token / sum of share x bytes per token); each source's as `loss/NAME`, `bpb/NAME`.
+    Sources without a score (no val split) leave the means, the other shares renormalised."""
+    total = sum(shares[name] for name in scores)
+    loss = sum(shares[name] * score["loss"] for name, score in scores.items()) / total
+    bytes_ = sum(shares[name] * bytes_per_token[name] for name in scores) / total
+    per_source = {f"{key}/{name}": score[key] for name, score in scores.items() for key in ("loss", "bpb")}
+    tokens = sum(int(score["tokens"]) for score in scores.values())
+    return {"loss": loss, "ppl": perplexity(loss), "bpb": loss / math.log(2) / bytes_, "tokens": tokens, **per_source}
+
+
 def format_loss(result: dict[str, float]) -> str:
     r = result
-    return f"loss {r['loss']:.4f} | ppl {r['ppl']:.2f} | bpb {r['bpb']:.3f} over {r['tokens']:,} tokens"
+    text = f"loss {r['loss']:.4f} | ppl {r['ppl']:.2f} | bpb {r['bpb']:.3f} over {r['tokens']:,} tokens"
+    sources = [key[5:] for key in r if key.startswith("loss/")]
+    return text + "".join(f" | {name} {r[f'loss/{name}']:.4f} ({r[f'bpb/{name}']:.3f} bpb)" for name in sources)

@@ -1,7 +1,8 @@
 """`gptforge plot`: one PNG of a run's curves, or several runs overlaid for comparison.
 
 Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm_token (per-token mean) with the GPT-2 /
-GPT-3 124M reference lines, learning rate, gradient norm, tokens/s.
+GPT-3 124M reference lines, learning rate, gradient norm, tokens/s. A run on a mix adds each folder's val loss and
+bits per byte (dotted, one marker per folder) beside the mix's.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import GPT2_124M_ACC_NORM, GPT3_125M_ACC_NORM
 from gptforge.files import atomic_write
-from gptforge.rundir import read_metrics
+from gptforge.rundir import read_metrics, val_sources
 
+SOURCE_MARKERS = "s^vDPX*"
 PANELS = ("loss", "val bits per byte", "HellaSwag acc_norm_token", "learning rate", "grad norm (pre-clip)", "tokens/s")
 
 
@@ -67,6 +69,15 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tupl
         ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
         ax["loss"].plot(*_series(val, "loss"), "o--", color=color, markersize=3, label=f"{name} val")
         ax["val bits per byte"].plot(*_series(val, "bpb"), "o-", color=color, markersize=3, label=name)
+        for j, source in enumerate(val_sources(val)):
+            style = {
+                "color": color,
+                "linestyle": ":",
+                "marker": SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
+                "markersize": 3,
+            }
+            ax["loss"].plot(*_series(val, f"loss/{source}"), **style, label=f"{name} val {source}")
+            ax["val bits per byte"].plot(*_series(val, f"bpb/{source}"), **style, label=f"{name} {source}")
         ax["HellaSwag acc_norm_token"].plot(*_series(hs, "acc_norm_token"), "o-", color=color, markersize=3, label=name)
     refs = ax["HellaSwag acc_norm_token"]
     refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write
-from gptforge.rundir import CONFIG, finite, format_duration, read_metrics
+from gptforge.rundir import CONFIG, finite, format_duration, read_metrics, val_sources
 
 
 def run_report(run_dir: str | Path) -> str:
-    """Best val loss / perplexity / bpb, best HellaSwag, tokens, wall time, mean tokens/s and MFU, and the config;
-    also written to RUN_DIR/report.md."""
+    """Best val loss / perplexity / bpb (and each folder's of a mix), best HellaSwag, tokens, wall time, mean
+    tokens/s and MFU, and the config; also written to RUN_DIR/report.md."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm_token")
@@ -38,6 +38,11 @@ def run_report(run_dir: str | Path) -> str:
             f"| best val bits/byte | {best['bpb']:.4f} |",
             f"| final val loss | {val[-1]['loss']:.4f} (step {val[-1]['step']:,}) |",
         ]
+        lines += [  # a run on a mix: each folder's final numbers (its val loss above is their weighted mean)
+            f"| final val loss / bits per byte: {name} | {_number(val[-1], f'loss/{name}')} / "
+            f"{_number(val[-1], f'bpb/{name}')} |"
+            for name in val_sources(val)
+        ]
     if hs:
         best = max(hs, key=lambda r: r["acc_norm_token"])
         where = f"(step {best['step']:,}, {best['n']} examples)"
@@ -51,6 +56,11 @@ def run_report(run_dir: str | Path) -> str:
     except GptforgeError as e:  # a read-only run folder still gets its report printed
         warnings.warn(f"report.md not written: {e}", stacklevel=2)
     return text
+
+
+def _number(record: dict, key: str) -> str:
+    value = record.get(key)
+    return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
 
 
 def _mean(records: list[dict], key: str) -> float:

@@ -14,7 +14,7 @@ from gptforge.checkpoint import META, read_meta, step_of
 from gptforge.config import config_from_dict, to_toml
 from gptforge.errors import GptforgeError
 from gptforge.files import read_jsonl, read_text
-from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics
+from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics, val_sources
 from gptforge.serve.runs import FolderGone, Source, find_sources
 
 STATIC = Path(__file__).parent / "static"
@@ -52,7 +52,10 @@ def routes(root: Path) -> list:
             return JSONResponse({"version": None, "train": {}, "val": {}})
         if cache.get(run.name, ("",))[0] != version:
             records = read_metrics(run.folder, tuple(CURVES))
-            cache[run.name] = (version, {kind: _columns(records[kind], keys) for kind, keys in CURVES.items()})
+            columns = {
+                kind: _columns(records[kind], (*keys, *_source_keys(records[kind]))) for kind, keys in CURVES.items()
+            }
+            cache[run.name] = (version, columns)
         return JSONResponse({"version": version, **cache[run.name][1]})
 
     def samples(request: Request) -> Response:
@@ -122,6 +125,11 @@ def _version(path: Path) -> str | None:
     except FileNotFoundError:
         return None
     return f"{st.st_mtime_ns}-{st.st_size}"
+
+
+def _source_keys(records: list[dict]) -> tuple[str, ...]:
+    """A mix's per-folder val curves (`loss/NAME`, `bpb/NAME`)."""
+    return tuple(f"{key}/{name}" for name in val_sources(records) for key in ("loss", "bpb"))
 
 
 def _columns(records: list[dict], keys: tuple[str, ...]) -> dict[str, list]:

@@ -18,7 +18,6 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import Config, config_from_dict, load_config, to_dict
 from gptforge.data.prefetch import Prefetcher
-from gptforge.data.shards import fingerprint
 from gptforge.errors import GptforgeError
 from gptforge.hub.publish import export_and_push
 from gptforge.runtime.distributed import DistEnv, print0
@@ -29,7 +28,8 @@ from gptforge.train.state import TrainState
 class Checkpointer:
     def __init__(self, run_dir: Path, cfg: Config, data: Data, setup: TrainSetup, env: DistEnv) -> None:
         self.run_dir, self.cfg, self.tokenizer, self.setup, self.env = run_dir, cfg, data.tokenizer, setup, env
-        self.data = fingerprint(data.manifest)  # what a resume compares against (the data may change under a run)
+        self.folders = data.folders
+        self.data = data.fingerprint  # what a resume compares against (the data may change under a run)
         self.last_good: Path | None = None
         """The newest checkpoint this run saved or resumed from."""
 
@@ -59,14 +59,14 @@ class Checkpointer:
         """Continue from `ckpt` into the fresh setup; returns the settings that changed since it was saved, each
         honoured ('key: old -> new'). A new train.max_steps re-spans the schedule from the step reached."""
         s = self.setup
-        check_resume_tokenizer(ckpt, self.tokenizer, self.cfg.data.path)  # before the shapes could mismatch
+        check_resume_tokenizer(ckpt, self.tokenizer, self.folders[0])  # before the shapes could mismatch
         before = config_from_dict(read_meta(ckpt)["config"])
         misfit = weights_misfit(s.model, ckpt / "model.safetensors")
         changes = config_changes(before, self.cfg, misfit)  # refuses a new structure before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
         if meta.get("data", self.data) != self.data:
             warnings.warn(
-                f"the data in {self.cfg.data.path} is not what {ckpt} trained on (its shards differ): "
+                f"the data in {', '.join(self.folders)} is not what {ckpt} trained on (its shards differ): "
                 "the saved data position now points into other text",
                 stacklevel=2,
             )

@@ -10,16 +10,15 @@ import torch
 
 from gptforge.config import Config
 from gptforge.data.loader import TokenLoader
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
-from gptforge.eval.loss import evaluate_loss, format_loss
+from gptforge.eval.loss import bytes_per_token, evaluate_loss, format_loss, mixture_loss
 from gptforge.files import append_jsonl
 from gptforge.model.generate import generate
 from gptforge.rundir import SAMPLES
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import DistEnv, print0
 from gptforge.train.metrics import MetricsLog, NullLog
-from gptforge.train.setup import TrainSetup
+from gptforge.train.setup import Data, TrainSetup
 
 
 class Evaluator:
@@ -29,33 +28,34 @@ class Evaluator:
         self,
         cfg: Config,
         setup: TrainSetup,
-        tokenizer: Tokenizer,
-        has_val: bool,
+        data: Data,
         metrics: MetricsLog | NullLog,
         run_dir: Path,
         env: DistEnv,
     ) -> None:
-        self.cfg, self.setup, self.tokenizer, self.env = cfg, setup, tokenizer, env
-        self.metrics, self.run_dir = metrics, run_dir
+        self.cfg, self.setup, self.tokenizer, self.env = cfg, setup, data.tokenizer, env
+        self.metrics, self.run_dir, self.mixed = metrics, run_dir, data.mixed
         B, T = cfg.train.micro_batch, cfg.model.block_size
-        self.val_loader = TokenLoader(cfg.data.path, "val", B, T, shuffle=False) if has_val else None  # built once
+        # Each folder's val split, built once; a mix scores each of its folders that has one.
+        self.val_loaders = {
+            source: TokenLoader(source.path, "val", B, T, shuffle=False)
+            for source, manifest in zip(data.sources, data.manifests, strict=True)
+            if any(s["split"] == "val" for s in manifest["shards"])
+        }
         self.hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
         self.seconds = 0.0
         """How long the last evaluation took (the time budget plans with the first one's)."""
 
     def due(self, step: int) -> bool:
-        return self.val_loader is not None and bool(self.cfg.eval.every) and step % self.cfg.eval.every == 0
+        return bool(self.val_loaders) and bool(self.cfg.eval.every) and step % self.cfg.eval.every == 0
 
     def __call__(self, step: int) -> dict[str, float] | None:
         """The validation result at `step` (None without a validation split); HellaSwag and the sample with it."""
-        if self.val_loader is None:
+        if not self.val_loaders:
             return None
         t = time.perf_counter()
         s, cfg, env = self.setup, self.cfg, self.env
-        B, T = cfg.train.micro_batch, cfg.model.block_size
-        val = evaluate_loss(
-            s.model, cfg.data.path, B, T, cfg.eval.tokens, s.device, s.dtype, env=env, loader=self.val_loader
-        )
+        val = self.validate()
         self.metrics.write("val", step, **val)
         if self.hellaswag:
             hs = evaluate_hellaswag(s.model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
@@ -66,6 +66,25 @@ class Evaluator:
         self.seconds = time.perf_counter() - t
         print0(self.env, f"step {step:>6} | val {format_loss(val)} | {self.seconds:.1f}s")
         return val
+
+    def validate(self) -> dict[str, float]:
+        """Validation loss, perplexity and bits per byte; for a mix, each folder's and their weighted mean."""
+        s, B, T = self.setup, self.cfg.train.micro_batch, self.cfg.model.block_size
+        scores = {
+            source: evaluate_loss(
+                s.model, source.path, B, T, self.cfg.eval.tokens, s.device, s.dtype, env=self.env, loader=loader
+            )
+            for source, loader in self.val_loaders.items()
+        }
+        if not self.mixed:
+            return next(iter(scores.values()))
+        return mixture_loss(
+            {source.name: score for source, score in scores.items()},
+            shares={source.name: float(source.share) for source in scores},
+            bytes_per_token={
+                source.name: bytes_per_token(loader.manifest, "val") for source, loader in self.val_loaders.items()
+            },
+        )
 
     def sample(self, step: int) -> str:
         """A continuation of `eval.prompt`, appended to samples.jsonl. Eval mode and a generator seeded per step

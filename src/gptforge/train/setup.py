@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ import torch
 
 from gptforge.checkpoint import META, load_checkpoint, read_meta
 from gptforge.config import Config
-from gptforge.data.shards import read_manifest
+from gptforge.data.loader import TokenLoader
+from gptforge.data.mixture import MixtureLoader, Source, open_mix, parse_mix
+from gptforge.data.shards import fingerprint, read_manifest
 from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
@@ -27,21 +30,50 @@ from gptforge.train.optim import build_optimizer, lr_at
 
 @dataclass
 class Data:
-    """The prepared corpus a run reads: its manifest and the tokenizer it was made with."""
+    """The prepared corpus a run reads: one folder (`data.path`) or a weighted mix of several (`data.mix`), their
+    manifests and the tokenizer they were made with."""
 
-    manifest: dict[str, Any]
+    sources: list[Source]
+    manifests: list[dict[str, Any]]
     tokenizer: Tokenizer
+    mixed: bool
 
     @property
     def has_val(self) -> bool:
-        return any(s["split"] == "val" for s in self.manifest["shards"])
+        return any(s["split"] == "val" for m in self.manifests for s in m["shards"])
+
+    @property
+    def folders(self) -> list[str]:
+        return [s.path for s in self.sources]
+
+    @property
+    def fingerprint(self) -> str:
+        """What a checkpoint records of the data's content (a resume warns when it changed)."""
+        if not self.mixed:
+            return fingerprint(self.manifests[0])
+        return ",".join(f"{s.name}:{fingerprint(m)}" for s, m in zip(self.sources, self.manifests, strict=True))
 
 
 def open_data(cfg: Config) -> Data:
+    """The folder or mix the config names, refused in one line if missing, unprepared or of mixed tokenizers."""
+    if cfg.data.mix:
+        sources = parse_mix(cfg.data.mix)
+        tokenizer, manifests = open_mix(sources)
+        return Data(sources, manifests, tokenizer, mixed=True)
     if not cfg.data.path:
-        raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`)")
+        raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`) or data.mix")
     manifest = read_manifest(cfg.data.path)
-    return Data(manifest, load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path))
+    tokenizer = load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path)
+    return Data(parse_mix([f"{cfg.data.path}=1"]), [manifest], tokenizer, mixed=False)  # a one-folder mix
+
+
+def train_loader(cfg: Config, data: Data, env: DistEnv) -> TokenLoader | MixtureLoader:
+    """This rank's training batches: the folder's `TokenLoader`, or a `MixtureLoader` over the mix."""
+    shape = {"batch_size": cfg.train.micro_batch, "seq_len": cfg.model.block_size}
+    where = {"rank": env.rank, "world_size": env.world_size, "seed": cfg.train.seed, "shuffle": cfg.data.shuffle}
+    if data.mixed:
+        return MixtureLoader(data.sources, "train", **shape, **where)
+    return TokenLoader(cfg.data.path, "train", **shape, **where)
 
 
 def check_resume_tokenizer(ckpt: Path, tokenizer: Tokenizer, data_dir: str) -> None:
@@ -71,8 +103,10 @@ def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str,
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
     lr_at(0, cfg.optim, 1)  # an unknown schedule fails now, not after the first evaluation
-    # An absolute data path, so config.toml and checkpoints still find the data from another working directory.
-    data_cfg = dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve()))
+    # Absolute data paths, so config.toml and checkpoints still find the data from another working directory.
+    path = str(Path(cfg.data.path).resolve()) if cfg.data.path else ""
+    mix = [f"{os.path.abspath(s.path)}={s.weight}" for s in parse_mix(cfg.data.mix)]  # links kept: they name folders
+    data_cfg = dataclasses.replace(cfg.data, path=path, mix=mix)
     return dataclasses.replace(cfg, model=model_cfg, data=data_cfg), weights
 
 

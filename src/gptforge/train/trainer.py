@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptforge.config import Config, to_dict, to_toml
-from gptforge.data.loader import TokenLoader
 from gptforge.data.prefetch import Prefetcher
 from gptforge.files import atomic_write, locked
 from gptforge.rundir import CONFIG, METRICS, format_duration
@@ -27,7 +26,7 @@ from gptforge.train.claim import claim_run_dir
 from gptforge.train.evaluator import Evaluator
 from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.optim import lr_at, set_lr
-from gptforge.train.setup import build, open_data, resolve_config, resolve_precision, run_header
+from gptforge.train.setup import build, open_data, resolve_config, resolve_precision, run_header, train_loader
 from gptforge.train.state import TrainState, ramp_accumulation
 from gptforge.train.step import train_step
 from gptforge.train.stopping import StopSignal, TimeBudget
@@ -65,12 +64,13 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     print0 = functools.partial(distributed.print0, env)
     data = open_data(cfg)
     cfg, init_weights = resolve_config(cfg, data.tokenizer)
-    resume_from = _claim(run_dir, resume, cfg.data.path, env, cleanup)
+    resume_from = _claim(run_dir, resume, data.folders, env, cleanup)
     cfg = resolve_precision(cfg, device, env, resume_from)
     s = build(cfg, env, device, init_weights)
     print0(run_header(cfg, s, data.tokenizer.name, env.world_size))
     B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
-    loader = TokenLoader(cfg.data.path, "train", B, T, env.rank, world, cfg.train.seed, cfg.data.shuffle)
+    loader = train_loader(cfg, data, env)
+    print0(loader.describe(cfg.train.max_steps * cfg.train.batch_tokens))
     state = TrainState(max_steps=cfg.train.max_steps)
     checkpointer = Checkpointer(run_dir, cfg, data, s, env)
     changes = checkpointer.restore(resume_from, state, loader) if resume_from else []
@@ -78,7 +78,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
     if restarting:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
         metrics.write("resume", state.step, checkpoint=str(resume_from or ""), changes=changes)
-    evaluate = Evaluator(cfg, s, data.tokenizer, data.has_val, metrics, run_dir, env)
+    evaluate = Evaluator(cfg, s, data, metrics, run_dir, env)
     budget = TimeBudget(cfg, data.has_val, env, device)
     utilisation = Utilisation(s.peak_flops, device, s.dtype)
 
@@ -107,7 +107,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
         mfu = utilisation(s.model.flops_per_token(T) * step_tokens / dt / world)
         metrics.write(
             "train", state.step, loss=loss_value, lr=lr, grad_norm=norm_value, ms=dt * 1000, tokens=state.tokens,
-            tokens_per_s=step_tokens / dt, mfu=mfu, skipped=state.skipped,
+            tokens_per_s=step_tokens / dt, mfu=mfu, skipped=state.skipped, **loader.progress(batches.state_dict()),
         )  # fmt: skip
         if state.step % max(1, cfg.log.every) == 0 or state.step == state.max_steps:
             eta = (time.perf_counter() - t_loop) / (state.step - step_loop) * (state.max_steps - state.step)
@@ -135,7 +135,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
 
 
-def _claim(run_dir: Path, resume: str | None, data: str, env: distributed.DistEnv, cleanup) -> Path | None:
+def _claim(run_dir: Path, resume: str | None, data: list[str], env: distributed.DistEnv, cleanup) -> Path | None:
     """Refuse a folder that is not this run's, then lock it for the run's life (rank 0); the checkpoint to resume."""
     resume_from = find_resume(run_dir, resume)
     claim_run_dir(run_dir, resume_from, data)  # before the lock creates anything

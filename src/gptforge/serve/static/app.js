@@ -30,24 +30,31 @@ function showError(message) {
 // --- charts -------------------------------------------------------------------------------------------
 
 const PANELS = {
-  loss: { kinds: [["train", "loss", "train"], ["val", "loss", "val"]] },
-  bpb: { kinds: [["val", "bpb", "val"]] },
+  loss: { kinds: [["train", "loss", "train"], ["val", "loss", "val"]], perSource: "loss" },
+  bpb: { kinds: [["val", "bpb", "val"]], perSource: "bpb" },
   lr: { kinds: [["train", "lr", "lr"]], format: (v) => (v === 0 ? "0" : v.toExponential(1)) },
   tps: { kinds: [["train", "tokens_per_s", "tok/s"]], format: (v) => Math.round(v).toLocaleString() },
 };
+
+// A run on a mix logs each folder's val numbers as "loss/NAME", "bpb/NAME": one dotted curve each.
+function sourceKinds(panel, m) {
+  const prefix = panel.perSource + "/";
+  const keys = panel.perSource && m && m.val ? Object.keys(m.val).filter((k) => k.startsWith(prefix)) : [];
+  return keys.map((k) => ["val", k, "val " + k.slice(prefix.length)]);
+}
 
 function panelData(panel, runs) {
   const tables = [], series = [{ label: "step" }];
   runs.forEach((run, i) => {
     const m = state.metrics[run.id];
-    for (const [kind, key, label] of panel.kinds) {
+    for (const [kind, key, label] of [...panel.kinds, ...sourceKinds(panel, m)]) {
       const cols = m && m[kind];
       if (!cols || !cols.step || !cols.step.length) continue;
       tables.push([cols.step, cols[key]]);
       const val = kind === "val";
       series.push({
         label: `${run.id} ${label}`, stroke: COLORS[i % COLORS.length], width: val ? 2 : 1.25, spanGaps: true,
-        dash: val && panel.kinds.length > 1 ? [6, 4] : undefined, points: { show: val },
+        dash: key.includes("/") ? [2, 3] : val && panel.kinds.length > 1 ? [6, 4] : undefined, points: { show: val },
         value: panel.format ? (u, v) => (v == null ? "–" : panel.format(v)) : undefined,
       });
     }
