@@ -44,6 +44,12 @@ def test_time_to_a_quality_interpolates_between_evaluations():
     assert c.time_to(2.0) == pytest.approx(10.0)
     assert c.time_to(3.5) == 0.0
     assert c.time_to(0.5) is None
+
+
+def test_time_to_a_quality_equal_to_an_evaluation_is_that_evaluation_s_time():
+    c = Curve(seconds=[0.0, 10.0, 20.0, 30.0], bpb=[3.0, 2.0, 2.5, 1.0], steps=30)
+    assert [c.time_to(b) for b in (3.0, 2.0, 1.0)] == [0.0, 10.0, 30.0]  # the first, a later one, the last
+    assert c.time_to(c.final) == 30.0  # a curve reaches its own final quality
     base = Curve([0.0, 10.0, 20.0], [3.0, 2.5, 2.0], 20)
     result = compare({"gpt2": base, "modern": c}, "gpt2", "modern")
     assert result["time_to_baseline_final"] == pytest.approx(10.0) and result["time_share"] == pytest.approx(0.5)
@@ -78,14 +84,20 @@ def test_each_recipe_trains_for_the_budget_on_every_seed_and_the_result_is_writt
     seed = load_config("tiny").train.seed
     assert [r["seed"] for r in summary["seeds"]] == [seed, seed + 1]
     for r in summary["seeds"]:
+        curves = {}
         for name in ("gpt2", "modern"):
             run_dir = root / "out" / f"{name}-seed{r['seed']}"
             assert f"seed = {r['seed']}\n" in (run_dir / "config.toml").read_text()
-            curve = read_curve(run_dir)
+            curve = curves[name] = read_curve(run_dir)
             assert curve.seconds == sorted(curve.seconds) and len(curve.bpb) == 6  # 0, every 5, the end
             assert r[name]["final_bpb"] == curve.final and 0 < r[name]["seconds"] <= 600 and r[name]["steps"] == 24
-        share = r["time_share"]
-        assert share is None or share == pytest.approx(r["time_to_baseline_final"] / r["gpt2"]["seconds"])
+        # Reached exactly when some evaluation of the candidate is at or below the baseline's final bpb.
+        reached = r["time_to_baseline_final"]
+        assert (reached is not None) == (min(curves["modern"].bpb) <= curves["gpt2"].final)
+        if reached is not None:
+            assert 0 <= reached <= curves["modern"].seconds[-1]
+            assert r["time_share"] == pytest.approx(reached / r["gpt2"]["seconds"])
+        assert compare(curves, "gpt2", "gpt2")["time_to_baseline_final"] is not None  # it reaches its own final
     saved = json.loads((root / "out" / "speedrun.json").read_text())
     assert saved["seeds"] == summary["seeds"] and saved["recipes"]["modern"].endswith("modern-tiny.toml")
     assert (root / "out" / "speedrun.png").read_bytes()[:4] == b"\x89PNG"

@@ -122,12 +122,19 @@ def test_a_changed_shard_is_refused_without_holding_up_batches(tmp_path, monkeyp
     make_data(tmp_path, [64, 64])
     TokenLoader(tmp_path, "train", 2, 8).verify()
     write_shard(tmp_path / "train_000001.bin", np.arange(1, 65, dtype=np.uint32))  # other tokens, same size
-    gate, real = threading.Event(), loader_module.verify_shard
-    monkeypatch.setattr(loader_module, "verify_shard", lambda path, sha: gate.wait(10) and real(path, sha))
+    served, real = threading.Event(), loader_module.verify_shard
+
+    def verify_once_a_batch_is_served(path, sha):
+        # No race with the machine's load: the checksums wait for the test's handshake; only a loader whose first
+        # batch waits for them runs out this bound, and then fails on the error below instead of hanging.
+        if not served.wait(60):
+            raise AssertionError("the first batch waited for the checksums")
+        return real(path, sha)
+
+    monkeypatch.setattr(loader_module, "verify_shard", verify_once_a_batch_is_served)
     loader = TokenLoader(tmp_path, "train", 2, 8, seed=1)
     loader.next_batch()  # served while the checksums are still being computed
-    assert not gate.is_set()
-    gate.set()
+    served.set()
     with pytest.raises(GptforgeError, match=r"train_000001\.bin: checksum mismatch .*prepare the data again"):
         loader.verify()
     with pytest.raises(GptforgeError, match="checksum mismatch"):

@@ -59,6 +59,51 @@ def test_rotary_scores_depend_only_on_the_offset_between_positions():
     assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)
 
 
+def hand_rotary(x: torch.Tensor, p: int, base: float) -> torch.Tensor:
+    """The half-split rotation of one head's vector x at position p, written out element by element."""
+    d, out = x.numel(), x.clone()
+    for i in range(d // 2):
+        a = p * base ** (-2 * i / d)
+        out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
+        out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+    return out
+
+
+def test_rotary_turns_each_half_split_pair_by_position_times_its_frequency():
+    model = modern(rope_theta=500.0)
+    torch.manual_seed(1)
+    q = torch.randn(16, dtype=torch.float64)
+    for p in (0, 1, 7, 15):
+        got = apply_rotary(q, model.rope_cos[p].double(), model.rope_sin[p].double())
+        torch.testing.assert_close(got, hand_rotary(q, p, 500.0), rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_with_its_gains_comes_before_the_rotation():
+    """Random per-dimension gains: normalising after rotating would mix gains across each rotated pair."""
+    model = modern(zero_init=False)
+    attn = model.transformer.h[0].attn
+    torch.manual_seed(2)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 2.0)
+        attn.k_norm.weight.uniform_(0.5, 2.0)
+    T, hs = 6, 16
+    x = torch.randn(1, T, 32)
+    y = attn(x, (model.rope_cos[:T], model.rope_sin[:T]))
+    q, k, v = attn.c_attn(x)[0].split(32, dim=-1)  # (T, C) each
+    heads = []
+    for h in range(2):
+        cut = slice(h * hs, (h + 1) * hs)
+
+        def normed_then_rotated(z, norm, cut=cut):
+            z = torch.nn.functional.rms_norm(z[:, cut], (hs,), norm.weight, norm.eps)
+            return torch.stack([hand_rotary(z[t], t, model.config.rope_theta) for t in range(T)])
+
+        qh, kh = normed_then_rotated(q, attn.q_norm), normed_then_rotated(k, attn.k_norm)
+        scores = (qh @ kh.T / math.sqrt(hs)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v[:, cut])
+    torch.testing.assert_close(y[0], attn.c_proj(torch.cat(heads, dim=-1)), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
 def test_cached_generation_equals_a_full_forward_with_rotary_and_qk_norm(mlp):
     model = modern(mlp=mlp, zero_init=False).eval()

@@ -191,6 +191,21 @@ def test_checkpoints_are_ordered_by_step_past_999999(tmp_path):
         prune_checkpoints(tmp_path, keep_last=0, milestone_every=0)
 
 
+@pytest.mark.parametrize(
+    ("steps", "deleted"),
+    [(1, []), (2, []), (3, []), (4, ["step_000001"]), (6, ["step_000001", "step_000003"])],
+)
+def test_pruning_keeps_the_newest_keep_last_and_milestones_at_every_count(tmp_path, steps, deleted):
+    """Fewer checkpoints than keep_last=3, exactly 3, or one more: only older non-milestones (odd steps) go."""
+    for step in range(1, steps + 1):
+        ckpt = tmp_path / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text("{}")
+    assert [p.name for p in prune_checkpoints(tmp_path, keep_last=3, milestone_every=2)] == deleted
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == [f"step_{s:06d}" for s in range(1, steps + 1) if f"step_{s:06d}" not in deleted]
+
+
 def test_the_cli_names_a_skipped_damaged_checkpoint_in_one_warning_line(saved_run, data_dir, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
