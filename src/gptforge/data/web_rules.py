@@ -26,11 +26,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-# Words are runs of letters and digits, and each run of other non-space characters is one token more (a
-# tokenizer splits punctuation off, and keeps '...' or '###' whole); the ratios that datatrove takes over
-# spaCy's tokens (symbols per word, words with a letter, line breaks per word) take them over both here.
-_WORD = re.compile(r"\w+")
-_SYMBOLS = re.compile(r"[^\w\s]+")
+# Words are runs of letters and digits (a regex's \w+), and each run of other non-space characters is one
+# token more (a tokenizer splits punctuation off, and keeps '...' or '###' whole); the ratios that datatrove
+# takes over spaCy's tokens (symbols per word, words with a letter, line breaks per word) take them over both.
+_ASCII_RUNS = re.compile(r"[\x00-\x7f]+")
+_ASCII_WORD = {c for c in range(128) if chr(c).isalnum() or c == ord("_")}
+# Translation tables over UTF-8: punctuation to spaces, leaving words (multi-byte characters untouched); and
+# punctuation to 'p', everything else to spaces, leaving the symbol runs.
+_WORD_VIEW = bytes(c if c in _ASCII_WORD or c >= 128 else ord(" ") for c in range(256))
+_SYMBOL_VIEW = bytes(ord(" ") if c in _ASCII_WORD or c >= 128 or chr(c).isspace() else ord("p") for c in range(256))
 _PARAGRAPH_BREAK = re.compile(r"\n{2,}")
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's
 _BULLETS = ("•", "-")
@@ -46,9 +50,17 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit multiplier combining word has
 
 @functools.lru_cache(maxsize=1)
 def _words(text: str) -> tuple[list[str], int]:
-    """The words, and the number of tokens (words and symbol runs)."""
-    words = _WORD.findall(text)
-    return words, len(words) + _SYMBOLS.subn("", text)[1]
+    r"""The words, and the number of tokens (words and symbol runs). The same as `re.findall(r"\w+")` and
+    counting `[^\w\s]+`, three times faster: non-ASCII punctuation becomes '~' and non-ASCII space ' ' (a few
+    distinct characters, each one fast replace), and bytes.translate does the rest."""
+    if not text.isascii():
+        for char in set(_ASCII_RUNS.sub("", text)):
+            if not char.isalnum():
+                text = text.replace(char, " " if char.isspace() else "~")
+    data = text.encode("utf-8", "surrogatepass")
+    symbols = data.translate(_SYMBOL_VIEW)
+    words = data.translate(_WORD_VIEW).decode("utf-8", "surrogatepass").split()
+    return words, len(words) + symbols.count(b" p") + symbols.startswith(b"p")
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,15 +185,18 @@ def _ngram_chars(text: str) -> tuple[dict[int, int], dict[int, int]]:
 
 def _groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For equal values: each group's first index and size, and each value's group (np.unique, trimmed)."""
-    order = np.argsort(values, kind="stable")
+    order = np.argsort(values)
     ordered = values[order]
     new = np.empty(len(values), dtype=bool)
     new[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
     starts = np.flatnonzero(new)
+    sizes = np.empty(len(starts), dtype=np.intp)
+    sizes[:-1] = starts[1:] - starts[:-1]
+    sizes[-1] = len(values) - starts[-1]
     group = np.empty(len(values), dtype=np.intp)
     group[order] = np.cumsum(new) - 1
-    return order[starts], np.diff(starts, append=len(values)), group
+    return np.minimum.reduceat(order, starts), sizes, group
 
 
 def gopher_top_ngrams(text: str, language: str | None, s: Any) -> str | None:
