@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any
 
 import numpy as np
@@ -157,7 +157,6 @@ def _ngram_chars(text: str) -> tuple[dict[int, int], dict[int, int]]:
     if len(words) < 2:
         return top, dup
     ids = np.fromiter(map(hash, words), dtype=np.int64, count=len(words)).view(np.uint64)
-    lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
     hashes, where, repeats = ids, np.arange(len(words) - 1), np.zeros(len(words), dtype=bool)
     for n in range(2, min(10, len(words)) + 1):
         hashes = hashes[:-1] * _MIX + ids[n - 1 :]  # the n-gram starting at each position
@@ -166,19 +165,20 @@ def _ngram_chars(text: str) -> tuple[dict[int, int], dict[int, int]]:
             repeats[where] = True
             where = where[repeats[where + 1]]
         if not len(where):
-            top.update({m: int(lengths[:m].sum()) + m - 1 for m in range(n, 5) if m <= len(words)})
+            top.update({m: len(" ".join(words[:m])) for m in range(n, 5) if m <= len(words)})
             break
         first, counts, group = _groups(hashes[where])
         if n < 5:
             best = int(counts.max())
             start = int(where[first[counts == best].min()]) if best > 1 else 0
-            top[n] = best * (int(lengths[start : start + n].sum()) + n - 1)
+            top[n] = best * len(" ".join(words[start : start + n]))
         else:
             later = where[first[group] != np.arange(len(where))]
-            covered = np.cumsum(
-                np.bincount(later, minlength=len(words) + 1) - np.bincount(later + n, minlength=len(words) + 1)
-            )
-            dup[n] = int(lengths[covered[:-1] > 0].sum())
+            if len(later):
+                covered = np.cumsum(
+                    np.bincount(later, minlength=len(words) + 1) - np.bincount(later + n, minlength=len(words) + 1)
+                )
+                dup[n] = sum(map(len, compress(words, (covered[:-1] > 0).tolist())))
         where = where[counts[group] > 1]
     return top, dup
 
