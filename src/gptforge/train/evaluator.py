@@ -96,7 +96,7 @@ class Evaluator:
         with autocast(s.device, s.dtype):
             new = generate(
                 s.model,
-                self.tokenizer.encode(prompt),
+                self.tokenizer.encode(prompt) or [self.tokenizer.eot],  # empty: a fresh document, as `sample`
                 self.cfg.eval.sample_tokens,
                 top_k=50,
                 eot=self.tokenizer.eot,
