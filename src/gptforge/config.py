@@ -303,13 +303,11 @@ def _combination_problem(cfg: Config) -> str | None:
             f"= {m.n_embd // m.n_head} (rotary turns each head's dimensions in pairs)"
         )
     if cfg.data.mix and cfg.data.path:
-        raise GptforgeError(
-            f"{where}data.mix and data.path (--data) are exclusive: a mix lists its folders, data.path is one folder"
-        )
+        return "data.mix and data.path (--data) are exclusive: a mix lists its folders, data.path is one folder"
     try:
         parse_mix(cfg.data.mix)
     except GptforgeError as e:
-        raise GptforgeError(f"{where}{e}") from None
+        return str(e)
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
     return None
