@@ -19,7 +19,7 @@ from gptforge.serve.engine import Engine, Job
 from gptforge.serve.protocol import Limits, parse_completion
 
 testclient = pytest.importorskip("starlette.testclient")
-from gptforge.serve.app import build_app, hosts_for  # noqa: E402 - needs the serve extra
+from gptforge.serve.app import build_app, host_name, hosts_for  # noqa: E402 - needs the serve extra
 
 READ_TIMEOUT = 0.5  # --read-timeout of the real server below: small, so the tests are quick
 PATIENCE = 10.0  # how long a test waits for what READ_TIMEOUT should do: 20x, for a machine busy with other work
@@ -41,6 +41,13 @@ def test_the_host_names_answered_are_the_bound_address_its_names_and_those_allow
     hosts = hosts_for(bound, allowed)
     assert [name for name in answered if not hosts.allows(name)] == []
     assert [name for name in refused if hosts.allows(name)] == []
+
+
+@pytest.mark.parametrize(
+    "header", ["127.0.0.1:8000@evil.example", "[::1", "[::1]evil", "localhost:abc", "localhost:8:9"]
+)
+def test_a_malformed_host_header_is_no_name(header):
+    assert host_name(header) == ""
 
 
 def test_an_empty_allow_host_is_refused():
@@ -119,6 +126,7 @@ def test_unknown_api_routes_and_methods_answer_in_openai_form(client):
     assert wrong.status_code == 405 and "use POST" in wrong.json()["error"]["message"]
     assert wrong.headers["allow"] == "POST"
     assert client.get("/api/nope").json()["error"]["message"].startswith("Invalid URL (GET /api/nope)")
+    assert client.get("/v1").json()["error"]["message"].startswith("Invalid URL (GET /v1)")
     assert client.get("/static/nope.js").text == "Not Found"  # the page's files: plain, as before
 
 

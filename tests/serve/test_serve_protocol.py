@@ -58,6 +58,9 @@ def test_the_limits_are_accepted_up_to_their_value_and_refused_past_it_naming_th
         ({"prompt": "x\ud800y"}, "prompt"),  # a lone surrogate, from the JSON escape \ud800
         ({"prompt": ["ok", "\udfff"]}, "prompt"),
         ({"stop": ["\ud83d"]}, "stop"),
+        ({"best_of": True}, "best_of"),  # True == 1 == n in Python
+        ({"best_of": 1.0}, "best_of"),
+        ({"presence_penalty": False}, "presence_penalty"),  # False == 0 in Python
     ],
 )
 def test_values_that_used_to_raise_or_to_pass_unchecked_are_400s_naming_the_argument(args, param):

@@ -133,6 +133,13 @@ def test_a_resume_that_changes_the_blocks_structure_names_the_keys_and_tensors(
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # config.toml still the run's
 
 
+def test_a_resume_that_changes_what_same_shaped_weights_compute_is_refused(saved_run, data_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    with pytest.raises(GptforgeError, match=r"model.mlp='gelu' \(now 'relu2'\); a resume cannot change the model's s"):
+        train(tiny(data_dir, "train.max_steps=4", "model.mlp=relu2"), run, resume="auto")
+
+
 def test_a_resume_that_switches_the_optimizer_is_one_line_either_way(saved_run, data_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)

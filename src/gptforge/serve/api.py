@@ -36,7 +36,7 @@ def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Respon
 def no_route(request: Request, exc: HTTPException) -> Response:
     """Starlette's 404 and 405, in OpenAI's form under /v1 and /api (plain text for the page's files)."""
     path = request.url.path
-    if not path.startswith(("/v1/", "/api/")):
+    if not path.startswith(("/v1/", "/api/")) and path not in ("/v1", "/api"):
         return PlainTextResponse(exc.detail, exc.status_code, exc.headers)
     if exc.status_code == 405:
         message = f"Invalid method for URL ({request.method} {path}): use {exc.headers.get('Allow', 'another')}"

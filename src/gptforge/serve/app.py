@@ -64,8 +64,18 @@ def hosts_for(host: str, allowed: tuple[str, ...] = ()) -> Hosts:
 
 
 def host_name(header: str) -> str:
-    """A Host header's name, without its port: 'Example.org:8000' -> 'example.org', '[::1]:8000' -> '::1'."""
-    name = header[1:].partition("]")[0] if header.startswith("[") else header.partition(":")[0]
+    """A Host header's name, without its port: 'Example.org:8000' -> 'example.org', '[::1]:8000' -> '::1'; ''
+    for a malformed one ('127.0.0.1:80@evil.example', '[::1', 'localhost:abc'), which no browser sends."""
+    header = header.strip()
+    if header.startswith("["):
+        name, closed, port = header[1:].partition("]")
+        if not closed:
+            return ""
+    else:
+        name, colon, port = header.partition(":")
+        port = colon + port
+    if port and not (port[0] == ":" and port[1:].isdigit() and port[1:].isascii()):
+        return ""
     return name.strip().lower().removesuffix(".")
 
 

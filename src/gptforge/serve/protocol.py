@@ -116,7 +116,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     if extra:
         raise ApiError(400, f"unrecognized request argument supplied: {', '.join(sorted(extra))}", sorted(extra)[0])
     for key, neutral in NEUTRAL.items():
-        if body.get(key, neutral) not in (neutral, None):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or value != neutral):  # false == 0 in Python, not in JSON
             raise ApiError(400, f"'{key}' is not supported by gptforge serve (leave it unset)", key, "unsupported")
     if not isinstance(body.get("model"), str):
         raise ApiError(400, "'model' must be a string (GET /v1/models lists them)", "model")
@@ -135,7 +136,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         stream=_flag(body, "stream"),
         echo=_flag(body, "echo"),
     )
-    if body.get("best_of") not in (None, req.n):
+    best_of = body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != req.n):  # true == 1, 1.0 == 1 in Python
         raise ApiError(400, "'best_of' other than n is not supported", "best_of", "unsupported")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

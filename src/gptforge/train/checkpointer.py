@@ -115,12 +115,12 @@ def resume_config(run_dir: Path, resume: str, overrides: list[str]) -> Config:
 
 # Model fields that shape the weights: a resume cannot change them.
 SHAPE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "vocab_multiple")
-# Model fields that decide which weights there are.
+# Model fields that decide which weights there are and what they compute.
 STRUCTURE = (*SHAPE, "norm", "position", "qk_norm", "bias", "tie_embeddings", "mlp", "mlp_hidden")
 
 
 def config_changes(before: Config, now: Config, misfit: str | None = None) -> list[str]:
-    """'section.key: old -> new' for each setting that differs. Another optimizer, a change of the model's shape, or
+    """'section.key: old -> new' for each setting that differs. Another optimizer, a change of the model's structure, or
     `misfit` (how the checkpoint's weights differ from the new model's) is an error naming the keys."""
     old, new = to_dict(before), to_dict(now)
     changes = [
@@ -136,7 +136,7 @@ def config_changes(before: Config, now: Config, misfit: str | None = None) -> li
             "a new run from its weights with train.init_from)"
         )
     differ = [k for k in STRUCTURE if getattr(before.model, k) != getattr(now.model, k)]
-    if misfit or set(differ) & set(SHAPE):
+    if misfit or differ:  # weights of the same shapes (gelu -> relu2, layernorm -> rmsnorm) compute something else
         theirs = ", ".join(f"model.{k}={getattr(before.model, k)!r} (now {getattr(now.model, k)!r})" for k in differ)
         raise GptforgeError(
             f"the checkpoint's model has {theirs or 'other weights'}; a resume cannot change the model's structure"
