@@ -65,7 +65,7 @@ def test_console_script_runs():
     "args,code,message",
     [
         (["prepare", "{tmp}/missing", "--out", "{tmp}/o"], 1, "missing: no such file or directory"),
-        (["prepare", "{tmp}/empty", "--out", "{tmp}/o"], 1, "empty corpus"),
+        (["prepare", "{tmp}/empty", "--out", "{tmp}/o"], 1, "no files in it"),
         (["prepare", "stdlib", "--out", "{tmp}/o", "--bogus"], 2, "unrecognized arguments: --bogus"),
         (["train", "--data", "{tmp}/missing"], 1, "no manifest.json"),
         (["train", "--data", "{tmp}", "--set", "optim.nope=1"], 1, "unknown key 'optim.nope'"),
