@@ -31,6 +31,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    from gptforge.data.dedup import DedupSettings
     from gptforge.data.prepare import prepare, summarize
 
     manifest = prepare(
@@ -45,6 +46,16 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         decontaminate=args.decontaminate,
         seed=args.seed,
         force=args.force,
+        dedup=DedupSettings(
+            mode=args.dedup,
+            shingle=args.dedup_shingle,
+            hashes=args.dedup_hashes,
+            bands=args.dedup_bands,
+            threshold=args.dedup_threshold,
+        ),
+        clean=args.clean,
+        clean_set=args.clean_set,
+        ext=args.ext,
     )
     print(summarize(manifest, args.out))
 
@@ -253,6 +264,36 @@ def build_parser() -> Parser:
     return p
 
 
+def _add_cleaning_flags(s) -> None:
+    """prepare's de-duplication and quality filters."""
+    from gptforge.data.dedup import DedupSettings
+
+    d = DedupSettings()
+    s.add_argument(
+        "--dedup",
+        default=d.mode,
+        help="none | exact | near (default: near; the earliest document of a cluster is kept)",
+    )
+    s.add_argument("--dedup-threshold", type=float, default=d.threshold, help=f"near: Jaccard (default {d.threshold})")
+    s.add_argument(
+        "--dedup-shingle", type=int, default=d.shingle, help=f"near: words per shingle (default {d.shingle})"
+    )
+    s.add_argument("--dedup-hashes", type=int, default=d.hashes, help=f"near: MinHash functions (default {d.hashes})")
+    s.add_argument("--dedup-bands", type=int, default=d.bands, help=f"near: LSH bands (default {d.bands})")
+    s.add_argument(
+        "--ext",
+        help="file types read from a folder or glob: py,js,c | +go,-md | code,prose (default: code, markup, prose)",
+    )
+    s.add_argument("--clean", default="none", help="quality filters: none (default) | code | web")
+    s.add_argument(
+        "--clean-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="change a filter threshold, e.g. code.max_line_length=2000, or skip=NAME,... (repeatable)",
+    )
+
+
 def _add_data_commands(sub) -> None:
     """prepare and train."""
     s = sub.add_parser("prepare", help="tokenize a corpus into token shards + manifest.json")
@@ -273,6 +314,7 @@ def _add_data_commands(sub) -> None:
     )
     s.add_argument("--seed", type=int, default=0, help="salt for the validation split's hash (default 0)")
     s.add_argument("--force", action="store_true", help="replace what --out holds (once the new data is complete)")
+    _add_cleaning_flags(s)
     s.set_defaults(func=cmd_prepare)
 
     s = sub.add_parser("train", help="train a GPT on prepared shards")

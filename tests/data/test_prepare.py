@@ -114,8 +114,8 @@ def test_crashed_prepare_resumes_and_skips_finished_shards(corpus_dir, tmp_path,
 
     real = prep.documents
 
-    def crashing(source, field):
-        for i, doc in enumerate(real(source, field)):
+    def crashing(source, field, **kw):
+        for i, doc in enumerate(real(source, field, **kw)):
             if i == 40:
                 raise RuntimeError("simulated crash")
             yield doc
@@ -202,8 +202,8 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
 
     real = prep.documents
 
-    def crashing(source, field):
-        for i, doc in enumerate(real(source, field)):
+    def crashing(source, field, **kw):
+        for i, doc in enumerate(real(source, field, **kw)):
             if i == 8:
                 raise RuntimeError("killed")  # midway through the replacement
             yield doc
@@ -220,7 +220,8 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
     new = prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1, force=True)
     assert "resuming" in capsys.readouterr().out  # the killed replacement picks up where it stopped
     assert read_manifest(out) == new and new["splits"]["val"]["docs"] > 0
-    assert sorted(p.name for p in out.iterdir()) == sorted(["manifest.json", *(s["file"] for s in new["shards"])])
+    own = ["manifest.json", "report.md", *(s["file"] for s in new["shards"])]
+    assert sorted(p.name for p in out.iterdir()) == sorted(own)
     assert not list(tmp_path.glob(".out.*"))
 
 
@@ -301,12 +302,13 @@ def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(t
     assert json.loads((out / "progress.json").read_text())["shards"], "it had written shards"
     fixed = prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)  # no --force needed
     left = sorted(p.name for p in out.iterdir() if p.name != ".lock")
-    assert left == sorted(["manifest.json", *(s["file"] for s in fixed["shards"])])  # no shard of the failed one
+    # no shard of the failed one
+    assert left == sorted(["manifest.json", "report.md", *(s["file"] for s in fixed["shards"])])
 
     killed, real = tmp_path / "killed", prep.documents  # a killed prepare keeps its shards for the same command
 
-    def interrupted(source, field):
-        for i, doc in enumerate(real(source, field)):
+    def interrupted(source, field, **kw):
+        for i, doc in enumerate(real(source, field, **kw)):
             if i == 8:
                 raise RuntimeError("killed")  # as a kill midway would stop it
             yield doc
@@ -396,7 +398,7 @@ from gptforge.cli import main
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-def endless(source, field):
+def endless(source, field, **kw):
     for i in itertools.count():
         time.sleep(0.002)
         yield f"doc{i}", f"document {i} " * 50
@@ -510,7 +512,7 @@ def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(t
         (out / name).write_text("torn")
     manifest = prepare(str(src), out, val_fraction=0, workers=1)  # resumes, then finishes
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [".lock", ".notes.txt.tmp.1", "manifest.json", *(s["file"] for s in manifest["shards"])]
+        [".lock", ".notes.txt.tmp.1", "manifest.json", "report.md", *(s["file"] for s in manifest["shards"])]
     )
     for name in stale:  # a kill -9 after the manifest, mid-write of one of these
         (out / name).write_text("torn")

@@ -73,7 +73,7 @@ def test_presets_name_the_public_datasets():
 @pytest.mark.parametrize(
     "name,content,message",
     [
-        ("bad.txt", b"\xff\xfe not utf-8 \xc3", r"bad\.txt: expected UTF-8 text"),
+        ("bad.txt", b"caf\xe9 is latin-1, not utf-8 \xc3", r"bad\.txt: expected UTF-8 text"),
         ("bad.jsonl.gz", b"this is not gzip", r"bad\.jsonl\.gz: corrupt or truncated gzip"),
         ("bad.jsonl", b'{"text": 3}\n', r"bad\.jsonl:1: field 'text' is int, expected a string"),
         ("bad.parquet", b"PAR1 nonsense", r"bad\.parquet: not a readable parquet file"),
@@ -99,16 +99,16 @@ def test_what_is_not_a_corpus_says_what_it_is(tmp_path):
     for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
         (tmp_path / "saved" / name).write_text("{}")
     (tmp_path / "code").mkdir()
-    for name in ("a.js", "b.js", "c.c"):
+    for name in ("a.png", "b.png", "c.o"):  # kinds no language of languages.py names
         (tmp_path / "code" / name).write_text("int x;")
     (tmp_path / "empty").mkdir()
-    expected = r"\(expected \.jsonl, \.md, \.parquet, \.py, \.rst, \.txt, optionally \.gz"
+    expected = r"\(expected source or text files \(gptforge/data/languages.py, see --ext\), .jsonl or .parquet"
     cases = [
         ("fifo", r"fifo: not a regular file or folder \(a FIFO, socket or device is not a corpus\)"),
         ("broken", r"broken: a link to nowhere, which does not exist"),
         ("saved", rf"saved: a folder written by datasets' save_to_disk; read it as hf:{tmp_path}/saved"),
-        ("code", rf"code: no file of a kind prepare reads {expected}; found 2 \.js, 1 \.c\)"),
-        ("code/a.js", rf"a.js: no file of a kind prepare reads {expected}; found 1 \.js\)"),
+        ("code", rf"code: no file of a kind prepare reads {expected}; found 2 \.png, 1 \.o\)"),
+        ("code/a.png", rf"a.png: no file of a kind prepare reads {expected}; found 1 \.png\)"),
         ("empty", rf"empty: no files in it {expected}\)"),
     ]
     for name, message in cases:

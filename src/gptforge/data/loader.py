@@ -43,6 +43,13 @@ class ShardVerifier(threading.Thread):
             raise self.error
 
 
+# Said once (by the validation loader) for a folder prepared before de-duplication existed.
+UNDEDUPLICATED = (
+    "{data_dir}: prepared without de-duplication, so its validation split may hold near-copies of training "
+    "documents (prepare it again with --force for the default --dedup near)"
+)
+
+
 class TokenLoader:
     def __init__(
         self,
@@ -56,6 +63,8 @@ class TokenLoader:
         shuffle: bool = True,
     ) -> None:
         self.manifest = manifest = read_manifest(data_dir)
+        if split == "val" and rank == 0 and "dedup" not in manifest.get("settings", {"dedup": None}):
+            print(UNDEDUPLICATED.format(data_dir=data_dir), flush=True)
         vocab = manifest["tokenizer"]["vocab_size"]
         entries = [s for s in manifest["shards"] if s["split"] == split]
         self.shards = [read_shard(Path(data_dir) / s["file"], vocab) for s in entries]

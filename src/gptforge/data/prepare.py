@@ -9,17 +9,14 @@ swapped in once complete.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import itertools
 import json
 import multiprocessing as mp
 import os
-import re
 import signal
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,37 +25,30 @@ import numpy as np
 from tqdm import tqdm
 
 from gptforge.data.decontaminate import eval_ngrams, is_contaminated
+from gptforge.data.dedup import DEDUP_MODES, Deduplicator, DedupSettings, fingerprint
+from gptforge.data.filters import Filter, build_filters, clean_settings, first_failure
+from gptforge.data.languages import DEFAULT_EXTENSIONS, language_of, parse_extensions
+from gptforge.data.outdir import (
+    REPORT_FILE,
+    TOKENIZER_FILE,
+    WRITE_ERRNOS,
+    already_prepared,
+    destination,
+    finished,
+    marked_if_failed,
+    read_json,
+    remove_own_files,
+    remove_stale_temps,
+)
+from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.data.report import Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, dtype_for_vocab, write_manifest, write_shard
 from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
-from gptforge.files import (
-    atomic_write,
-    check_output_dir,
-    is_empty_dir,
-    locked,
-    stale_temp_files,
-    swap_dir,
-    temp_dir_for,
-    temp_dir_path,
-)
+from gptforge.files import atomic_write, check_output_dir, locked, swap_dir
 
-TOKENIZER_FILE = "tokenizer.json"
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20  # documents per worker task, at most (a crash loses at most one batch)
-# The flag behind each setting, to say which one differs from a folder's.
-SETTING_FLAGS = {
-    "source": "SOURCE",
-    "text_field": "--text-field",
-    "tokenizer": "--tokenizer/--train-tokenizer",
-    "val_fraction": "--val-fraction",
-    "shard_tokens": "--shard-tokens",
-    "seed": "--seed",
-    "decontaminate": "--decontaminate",
-}
-# Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
-# The files prepare writes (atomic_write leaves a temp file of one when killed mid-write).
-OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE))) + r"|(train|val)_\d+\.bin"
 _worker: dict[str, Any] = {}
 
 
@@ -126,38 +116,42 @@ class ShardWriter:
         return True
 
 
-def _init_worker(tokenizer_spec: str, ngrams: frozenset[int]) -> None:
+def _init_worker(tokenizer_spec: str, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> None:
     # Ctrl-C reaches the whole process group: the parent alone stops the run, not a traceback from each worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker["tok"] = load_tokenizer(tokenizer_spec)
-    _worker["ngrams"] = ngrams
+    _worker.update(tok=load_tokenizer(tokenizer_spec), ngrams=ngrams, filters=filters, dedup=dedup)
 
 
-def _encode(jobs: list[tuple[int, str, str]]) -> tuple[list[tuple[int, str, int, int]], np.ndarray]:
-    """Tokenize a batch of documents into one array: ([(index, split, n_tokens, n_bytes)], tokens).
+Job = tuple[int, str, str, str, bool]  # (index, split, name, text, tokenize it: False for one already in a shard)
 
-    Each document is EOT first, then its text, so every document (the first too) starts after a delimiter.
-    Contaminated training documents get n_tokens -1 and no tokens. One array per batch, not per document,
-    keeps the parent's per-document work (unpickling, bookkeeping) small enough not to cap many workers.
+
+def _encode(jobs: list[Job]) -> tuple[list[tuple], np.ndarray]:
+    """Judge and tokenize a batch of documents: ([(index, split, name, n_tokens, n_bytes, fingerprint, failure,
+    contaminated)], tokens), the tokens of all in one array.
+
+    The worker does what is per document (filters, dedup fingerprint, contamination, tokens); the parent decides
+    duplicates in document order. A filtered or contaminated document, or one not to tokenize, gets no tokens;
+    each tokenized one is EOT first, then its text. One array per batch keeps the parent's work small.
     """
-    tok = _worker["tok"]
+    tok, dedup = _worker["tok"], _worker["dedup"]
     docs, ids = [], []
-    for index, split, text in jobs:
-        if split == "train" and is_contaminated(text, _worker["ngrams"]):
-            docs.append((index, split, -1, 0))
-            continue
+    for index, split, name, text, tokenize in jobs:
+        failure = first_failure(_worker["filters"], text, language_of(name))
+        fp = fingerprint(text, dedup) if dedup.mode != "none" and failure is None else None
+        contaminated = failure is None and split == "train" and is_contaminated(text, _worker["ngrams"])
         before = len(ids)
-        ids.append(tok.eot)
-        ids.extend(tok.encode(text))
-        docs.append((index, split, len(ids) - before, len(text.encode("utf-8"))))
+        if tokenize and failure is None and not contaminated:
+            ids.append(tok.eot)
+            ids.extend(tok.encode(text))
+        docs.append((index, split, name, len(ids) - before, len(text.encode("utf-8")), fp, failure, contaminated))
     return docs, np.array(ids, dtype=dtype_for_vocab(tok.vocab_size))
 
 
-def _batched(items: Iterator[tuple[int, str, str]]) -> Iterator[list[tuple[int, str, str]]]:
+def _batched(items: Iterator[Job]) -> Iterator[list[Job]]:
     batch, chars = [], 0
     for item in items:
         batch.append(item)
-        chars += len(item[2])
+        chars += len(item[3]) if item[4] else len(item[3]) // 8  # fingerprinting alone is cheaper
         if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -177,29 +171,20 @@ def _nonempty(docs: Iterator[Document]) -> Iterator[Document]:
     return (d for d in docs if d[1].strip())
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from `path`, or None for a missing, unreadable or malformed file."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _tokenizer_for(
-    out: Path, settings: dict[str, Any], train_vocab: int | None, resuming: bool, given: Tokenizer | None
+    out: Path, settings: PrepareSettings, train_vocab: int | None, resuming: bool, given: Tokenizer | None
 ) -> Tokenizer:
     """The `given` tokenizer (GPT-2 or a file), or a BPE trained on the training split; file-based ones go to OUT."""
     if given is None:
         if resuming and (out / TOKENIZER_FILE).is_file():
             return load_tokenizer(TOKENIZER_FILE, out)
-        docs = _nonempty(documents(settings["source"], settings["text_field"]))
+        docs = _nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
         train_docs = (
             text
             for i, (name, text) in enumerate(docs)
-            if not is_validation(name, i, settings["val_fraction"], settings["seed"])
+            if not is_validation(name, i, settings.val_fraction, settings.seed)
         )
-        print(f"training a {train_vocab}-token byte-level BPE on {settings['source']}", flush=True)
+        print(f"training a {train_vocab}-token byte-level BPE on {settings.source}", flush=True)
         return train_bpe(train_docs, train_vocab, out / TOKENIZER_FILE)
     if given.path is not None and given.path.resolve() != (out / TOKENIZER_FILE).resolve():
         atomic_write(out / TOKENIZER_FILE, given.path.read_bytes())  # the data folder carries its own tokenizer
@@ -219,42 +204,63 @@ def prepare(
     decontaminate: list[str] = (),
     seed: int = 0,
     force: bool = False,
+    dedup: str | DedupSettings = "near",
+    clean: str = "none",
+    clean_set: Sequence[str] = (),
+    ext: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize `source` into `out_dir`; returns the manifest (also written, last, as manifest.json).
 
     `tokenizer` is 'gpt2' or a tokenizer .json file; `train_tokenizer=N` trains an N-token BPE instead.
     `decontaminate` lists evaluation files whose 13-grams disqualify training documents. `force` lets the
-    result replace a folder holding anything else.
+    result replace a folder holding anything else. `dedup` is a mode (none, exact, near) or its settings;
+    `clean` a filter set (none, code, web) and `clean_set` its changes ('code.max_line_length=2000');
+    `ext` the file types read from a folder or glob (languages.parse_extensions; default: source and text).
     """
     _check_flags(tokenizer, val_fraction, shard_tokens, workers, train_tokenizer)
+    dedup = check_dedup(DedupSettings(mode=dedup) if isinstance(dedup, str) else dedup)
+    build_filters(clean)  # an unknown mode fails here
+    cleaning = clean_settings(clean_set)
     source, text_field = resolve(source, text_field)
-    docs = documents(source, text_field)  # a missing source fails here, before any work
+    extensions = parse_extensions(ext) if ext is not None else DEFAULT_EXTENSIONS
+    skipped: list[tuple[str, int]] = []  # binary files, filled as the documents are read
+    docs = documents(source, text_field, extensions=extensions, skipped=skipped)  # a missing source fails here
     out = Path(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = (out / MANIFEST).is_file() or (out / PROGRESS).is_file()
     tokenizer_file = [] if train_tokenizer is not None or tokenizer == "gpt2" else [tokenizer]
     check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate, *tokenizer_file])
-    settings = {
-        "source": source,
-        "text_field": text_field,
-        "val_fraction": val_fraction,
-        "shard_tokens": shard_tokens,
-        "seed": seed,
-        "tokenizer": f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
-        "decontaminate": sorted(str(p) for p in decontaminate),
-    }
-    done = _read_json(out / MANIFEST)
-    if done is not None and done.get("settings") == settings and not force:
-        return _already_prepared(out, done)  # decided reading only, so a finished read-only folder works
+    settings = PrepareSettings(
+        source=source,
+        text_field=text_field,
+        val_fraction=val_fraction,
+        shard_tokens=shard_tokens,
+        seed=seed,
+        tokenizer=f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
+        decontaminate=tuple(sorted(str(p) for p in decontaminate)),
+        dedup=dedup,
+        clean_mode=clean,
+        clean=cleaning,
+        ext=tuple(sorted(extensions)) if extensions != DEFAULT_EXTENSIONS else None,
+    )
+    done = finished(out, settings)
+    if done is not None and not force:
+        return already_prepared(out, done, locked)  # decided reading only, so a finished read-only folder works
     docs, tok, ngrams = _checked_inputs(docs, source, tokenizer, train_tokenizer, decontaminate)
     try:
         with locked(out, "prepare"):
-            folder = _destination(out, settings, force)
+            folder = destination(out, settings, force)
             if folder is None:  # another prepare finished it since the check above
-                return _already_prepared(out, _read_json(out / MANIFEST))
-            with _marked_if_failed(folder):
+                return already_prepared(out, read_json(out / MANIFEST), locked)
+            with marked_if_failed(folder):
                 manifest = _build(
-                    docs, folder, settings, given=tok, train_tokenizer=train_tokenizer, ngrams=ngrams, workers=workers
+                    (docs, skipped),
+                    folder,
+                    settings,
+                    given=tok,
+                    train_tokenizer=train_tokenizer,
+                    ngrams=ngrams,
+                    workers=workers,
                 )
             if folder != out:
                 swap_dir(folder, out.resolve())
@@ -281,40 +287,20 @@ def _checked_inputs(
     return itertools.chain([first], docs), tok, ngrams
 
 
-@contextlib.contextmanager
-def _marked_if_failed(folder: Path) -> Iterator[None]:
-    """An error (not a kill, Ctrl-C or full disk, which the same command resumes) marks the folder's progress.json
-    failed: a corrected command with other settings may then start over there without --force."""
-    try:
-        yield
-    except GptforgeError:
-        progress = _read_json(folder / PROGRESS)
-        if progress is not None:
-            atomic_write(folder / PROGRESS, json.dumps({**progress, "failed": True}))
-        raise
-
-
-def _already_prepared(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Say so and return `manifest`, tidying what a killed run left if the folder can be written and locked."""
-    print(f"{out}: already prepared with these settings", flush=True)
-    with contextlib.suppress(OSError, GptforgeError), locked(out, "prepare"):  # read-only, or in use: leave it
-        (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
-        _remove_stale_temps(out)
-    return manifest
-
-
-def _remove_stale_temps(folder: Path) -> None:
-    """Delete the temp files of prepare's own files that a kill -9 mid-write left; only with the lock held, so
-    no other prepare is writing them."""
-    for path in stale_temp_files(folder, OWN_FILES):
-        path.unlink(missing_ok=True)
-
-
-def _remove_own_files(folder: Path) -> None:
-    """Delete the files a superseded unfinished prepare wrote (shards, tokenizer, progress); nothing else."""
-    for path in folder.iterdir():
-        if re.fullmatch(OWN_FILES, path.name) and path.is_file():
-            path.unlink()
+def check_dedup(settings: DedupSettings) -> DedupSettings:
+    """The --dedup settings, or one line naming the flag whose value cannot work."""
+    if settings.mode not in DEDUP_MODES:
+        raise GptforgeError(f"--dedup {settings.mode!r}: expected one of {', '.join(DEDUP_MODES)}")
+    if not 0 < settings.threshold <= 1:
+        raise GptforgeError(f"--dedup-threshold must be in (0, 1], got {settings.threshold}")
+    for flag, value in (("--dedup-shingle", settings.shingle), ("--dedup-hashes", settings.hashes)):
+        if value < 1:
+            raise GptforgeError(f"{flag} must be positive, got {value}")
+    if settings.bands < 1 or settings.hashes % settings.bands:
+        raise GptforgeError(
+            f"--dedup-bands {settings.bands}: expected a positive divisor of --dedup-hashes {settings.hashes}"
+        )
+    return settings
 
 
 def _check_flags(
@@ -333,99 +319,75 @@ def _check_flags(
         raise GptforgeError(f"--tokenizer {tokenizer} and --train-tokenizer {train_tokenizer}: pass one of them")
 
 
-def _destination(out: Path, settings: dict[str, Any], force: bool) -> Path | None:
-    """Where to build: `out` itself (empty, or an unfinished prepare to resume), a folder beside it that
-    replaces it once complete (--force), or None when `out` already holds this data."""
-    done, progress = _read_json(out / MANIFEST), _read_json(out / PROGRESS)
-    if done is not None and done.get("settings") == settings and not force:
-        return None
-    if done is None and progress is not None and _resumable(progress, settings):
-        return out  # resume; or start over, as nothing was written yet or that attempt failed
-    if is_empty_dir(out):
-        return out
-    prior = done or progress
-    if prior is None:
-        check_output_dir(out, force)  # a folder that is not gptforge data: replaced only with --force
-    elif not force:
-        what = "data prepared" if done else "an unfinished prepare"
-        raise GptforgeError(
-            f"{out}: holds {what} with other settings ({_difference(prior.get('settings', {}), settings)}); "
-            "pass --force to replace it (the old data stays until the new is complete), or pick another --out"
-        )
-    final = out.resolve()  # a temp folder beside '.' needs its real name
-    unfinished = _read_json(temp_dir_path(final) / PROGRESS)
-    if unfinished is not None and unfinished.get("settings") == settings:
-        return temp_dir_path(final)  # a killed --force run resumes
-    return temp_dir_for(final)
-
-
-def _resumable(progress: dict[str, Any], settings: dict[str, Any]) -> bool:
-    """An unfinished prepare that this one continues (same settings) or starts over: one that wrote no shard yet,
-    or failed with an error (whose corrected command has other settings)."""
-    return progress.get("settings") == settings or not progress.get("shards") or bool(progress.get("failed"))
-
-
-def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """The first setting that differs, as 'FLAG was OLD, now NEW'."""
-    for key, flag in SETTING_FLAGS.items():
-        if old.get(key) != new[key]:
-            return f"{flag} was {old.get(key)!r}, now {new[key]!r}"
-    return f"settings were {old!r}"
-
-
 def _build(
-    docs: Iterator[Document],
+    read: tuple[Iterator[Document], list[tuple[str, int]]],
     out: Path,
-    settings: dict[str, Any],
+    settings: PrepareSettings,
     given: Tokenizer | None,
     train_tokenizer: int | None,
     ngrams: frozenset[int],
     workers: int | None,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
-    _remove_stale_temps(out)
-    progress = _read_json(out / PROGRESS)
-    resuming = progress is not None and progress.get("settings") == settings
+    remove_stale_temps(out)
+    progress = read_json(out / PROGRESS)
+    resuming = progress is not None and settings.matches(progress.get("settings"))
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
-        _remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
-        atomic_write(out / PROGRESS, json.dumps({"settings": settings, "dropped_before_last_shard": 0, "shards": []}))
+        remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
+        atomic_write(out / PROGRESS, json.dumps({"settings": settings.to_json(), "shards": []}))
     tok = _tokenizer_for(out, settings, train_tokenizer, resuming, given)
-    writers = {s: ShardWriter(out, s, settings["shard_tokens"], dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
-    dropped = 0
+    writers = {s: ShardWriter(out, s, settings.shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
     if resuming and progress.get("shards"):
         for split, w in writers.items():
             w.restore([s for s in progress["shards"] if s["split"] == split])
-        dropped = progress["dropped_before_last_shard"]
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
-    dropped = _tokenize(docs, tok, ngrams, writers, settings, out, workers, dropped)
-    source = settings["source"]
-    if writers["train"].docs == 0:
-        if writers["val"].docs == 0:
-            raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
-        raise GptforgeError(
-            f"{source}: only {writers['val'].docs} document(s), all held out for validation "
-            "(add documents, or pass --val-fraction 0)"
-        )
-    if settings["decontaminate"]:
+    docs, skipped = read
+    report = _tokenize(docs, tok, ngrams, writers, settings, out, workers)
+    for _, n_bytes in skipped:
+        report.count("binary skipped", n_bytes)
+    _check_kept(settings, writers, report)
+    if settings.decontaminate:
         print(
-            f"decontamination: dropped {dropped:,} training document(s) sharing a 13-gram with "
-            f"{', '.join(settings['decontaminate'])}",
+            f"decontamination: dropped {report.docs['decontaminated']:,} training document(s) sharing a 13-gram "
+            f"with {', '.join(settings.decontaminate)}",
             flush=True,
         )
     manifest = {
         "format": "gptforge-shards/1",
-        "source": source,
+        "source": settings.source,
         "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot},
-        "val_fraction": settings["val_fraction"],
-        "seed": settings["seed"],
-        "settings": settings,
+        "val_fraction": settings.val_fraction,
+        "seed": settings.seed,
+        "settings": settings.to_json(),
         "splits": {s: {"docs": w.docs, "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()},
-        "decontamination": {"files": settings["decontaminate"], "dropped_docs": dropped},
+        "decontamination": {"files": list(settings.decontaminate), "dropped_docs": report.docs["decontaminated"]},
+        "report": report.to_json(),
         "shards": writers["train"].shards + writers["val"].shards,
     }
+    atomic_write(out / REPORT_FILE, render(manifest["report"], manifest["settings"]))
     write_manifest(out, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest
+
+
+def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], report: Report) -> None:
+    """One line when nothing is left to train on: the filter that removed most, or why the corpus is empty."""
+    source = settings.source
+    if writers["train"].docs:
+        return
+    if report.filters and not writers["val"].docs:
+        rule, (n, _) = max(report.filters.items(), key=lambda item: item[1][0])
+        counts = ", ".join(f"{name} {d:,}" for name, (d, _) in report.filters.items())
+        raise GptforgeError(
+            f"{source}: --clean {settings.clean_mode} removed every document (filter {rule} removed {n:,} of "
+            f"{report.docs['read']:,}; {counts}); relax it with --clean-set or pass --clean none"
+        )
+    if writers["val"].docs == 0:
+        raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
+    raise GptforgeError(
+        f"{source}: only {writers['val'].docs} document(s) kept, all held out for validation "
+        "(add documents, or pass --val-fraction 0)"
+    )
 
 
 def _tokenize(
@@ -433,40 +395,36 @@ def _tokenize(
     tok: Tokenizer,
     ngrams: frozenset[int],
     writers: dict[str, ShardWriter],
-    settings: dict[str, Any],
+    settings: PrepareSettings,
     out: Path,
     workers: int | None,
-    dropped: int,
-) -> int:
-    """Tokenize the documents not yet in a shard into the writers, saving progress after each shard; returns
-    the count of training documents dropped as contaminated."""
-    start = min(w.next_doc for w in writers.values())
+) -> Report:
+    """Judge every document in order and tokenize those kept that are not yet in a shard into the writers,
+    saving progress after each shard. Documents already in shards are judged again (not tokenized), so the
+    deduplicator and the report are rebuilt exactly on resume."""
 
-    def jobs() -> Iterator[tuple[int, str, str]]:
+    def jobs() -> Iterator[Job]:
         for index, (name, text) in enumerate(docs):  # documents with text (`_checked_inputs`)
-            split = "val" if is_validation(name, index, settings["val_fraction"], settings["seed"]) else "train"
-            if index >= start and index >= writers[split].next_doc:
-                yield index, split, text
+            split = "val" if is_validation(name, index, settings.val_fraction, settings.seed) else "train"
+            yield index, split, name, text, index >= writers[split].next_doc
 
     def save_progress() -> None:
-        state = {
-            "settings": settings,
-            "dropped_before_last_shard": dropped,
-            "shards": [s for w in writers.values() for s in w.shards],
-        }
+        state = {"settings": settings.to_json(), "shards": [s for w in writers.values() for s in w.shards]}
         atomic_write(out / PROGRESS, json.dumps(state))
 
     spec = str(tok.path) if tok.path else tok.name
-    source = settings["source"]
-    bar = tqdm(total=source_bytes(source), desc=f"prepare {source}", unit="B", unit_scale=True, disable=None)
-    with _start_pool(_worker_count(workers), spec, ngrams) as pool:
+    filters = build_filters(settings.clean_mode, settings.clean)
+    dedup, report, names = Deduplicator(settings.dedup), Report(), {}
+    bar = tqdm(
+        total=source_bytes(settings.source), desc=f"prepare {settings.source}", unit="B", unit_scale=True, disable=None
+    )
+    with _start_pool(_worker_count(workers), spec, ngrams, filters, settings.dedup) as pool:
         for batch, tokens in pool.imap(_encode, _batched(jobs())):
             offset = 0
-            for index, split, n_tokens, n_bytes in batch:
-                if n_tokens < 0:
-                    dropped += 1
-                    continue
-                if writers[split].add(index, tokens[offset : offset + n_tokens], n_bytes):
+            for outcome in batch:
+                index, split, _, n_tokens, n_bytes = outcome[:5]
+                kept = _judge(outcome, dedup, report, names) and n_tokens
+                if kept and writers[split].add(index, tokens[offset : offset + n_tokens], n_bytes):
                     save_progress()
                 offset += n_tokens
                 bar.update(n_bytes)
@@ -476,7 +434,29 @@ def _tokenize(
     bar.close()
     for w in writers.values():
         w.flush()
-    return dropped
+    return report
+
+
+def _judge(outcome: tuple, dedup: Deduplicator, report: Report, names: dict[int, str]) -> bool:
+    """Whether a document is kept, in the stated order: filters, then duplicates of an earlier kept document
+    (decided here, in document order, whatever the worker count), then contamination; counted in `report`."""
+    index, _, name, _, n_bytes, fp, failure, contaminated = outcome
+    language = language_of(name)
+    report.read(language, n_bytes)
+    if failure is not None:
+        report.filter_removed(name, *failure, n_bytes)
+        return False
+    verdict = dedup.check(index, fp) if fp is not None else None
+    if verdict is not None:
+        report.duplicate(verdict.kind, name, names.get(verdict.of, "?"), verdict.similarity, n_bytes)
+        return False
+    if dedup.settings.mode != "none":
+        names[index] = name  # a kept document: a later duplicate names it
+    if contaminated:
+        report.count("decontaminated", n_bytes)
+        return False
+    report.kept(language, n_bytes)
+    return True
 
 
 def _cpu_count() -> int:
@@ -495,7 +475,7 @@ def _worker_count(workers: int | None) -> int:
     return workers or cpus
 
 
-def _start_pool(processes: int, spec: str, ngrams: frozenset[int]) -> Any:
+def _start_pool(processes: int, spec: str, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> Any:
     """A spawn pool of tokenizer workers that ignore Ctrl-C: the parent alone stops the run, ending them."""
     # Spawned while SIGINT is ignored here, the workers start out ignoring it (an ignored signal stays ignored
     # across exec, and Python leaves it so), so a Ctrl-C during their imports, before the initializer runs, cannot
@@ -503,7 +483,7 @@ def _start_pool(processes: int, spec: str, ngrams: frozenset[int]) -> Any:
     main = threading.current_thread() is threading.main_thread()
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        return mp.get_context("spawn").Pool(processes, _init_worker, (spec, ngrams))
+        return mp.get_context("spawn").Pool(processes, _init_worker, (spec, ngrams, filters, dedup))
     finally:
         if handler is not None:
             signal.signal(signal.SIGINT, handler)

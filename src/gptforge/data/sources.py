@@ -6,17 +6,18 @@ Names are stable (relative to the source) because the validation split is chosen
 from __future__ import annotations
 
 import glob
+import gzip
 import os
 import sysconfig
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+from gptforge.data.languages import DEFAULT_EXTENSIONS, decode, is_binary, selects
 from gptforge.errors import GptforgeError
 from gptforge.files import format_suffix, read_jsonl, read_text, reading
 
-TEXT_KINDS = {".txt", ".py", ".md", ".rst"}
-KINDS = TEXT_KINDS | {".jsonl", ".parquet"}
+CONTAINERS = {".jsonl", ".parquet"}  # files of many documents; every other file read is one document
 # Files that mark a folder written by `datasets`' save_to_disk (a Dataset's, a DatasetDict's).
 SAVED_DATASET = ("state.json", "dataset_dict.json", "dataset_info.json")
 # Named sources: (SOURCE, text field). Both stream from the Hugging Face hub.
@@ -35,23 +36,30 @@ def resolve(source: str, text_field: str | None) -> tuple[str, str]:
     return source, text_field or "text"
 
 
-def documents(source: str, text_field: str = "text") -> Iterator[Document]:
-    """Documents of a `prepare` SOURCE; a missing path fails here, before any work starts."""
+def documents(
+    source: str,
+    text_field: str = "text",
+    extensions: frozenset[str] = DEFAULT_EXTENSIONS,
+    skipped: list[tuple[str, int]] | None = None,
+) -> Iterator[Document]:
+    """Documents of a `prepare` SOURCE; a missing path fails here, before any work starts. A folder or glob
+    reads the files `extensions` selects (languages.py); binary or undecodable files go to `skipped` as
+    (name, bytes) instead."""
     if source == "stdlib":
         return stdlib_documents()
     if source.startswith("hf:"):
         return hf_documents(source[3:], text_field)
-    files = _files(source)
-    return (doc for path, name in files for doc in _file_documents(path, name, text_field))
+    files = _files(source, extensions)
+    return (doc for path, name in files for doc in _file_documents(path, name, text_field, skipped))
 
 
-def source_bytes(source: str) -> int | None:
+def source_bytes(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> int | None:
     """Bytes to read when cheaply known (for a progress ETA): the stdlib and uncompressed local files."""
     if source == "stdlib":
         return sum(p.stat().st_size for p in _stdlib_files())
     if source.startswith("hf:"):
         return None
-    files = [p for p, _ in _files(source)]
+    files = [p for p, _ in _files(source, extensions)]
     return None if any(p.suffix in (".gz", ".parquet") for p in files) else sum(p.stat().st_size for p in files)
 
 
@@ -91,7 +99,7 @@ def local_paths(source: str) -> list[Path]:
     return [Path(_glob_root(source)[0] or ".")] if glob.has_magic(source) else [Path(source)]
 
 
-def _files(source: str) -> list[tuple[Path, str]]:
+def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list[tuple[Path, str]]:
     """(path, stable name) of the files a path, folder or glob names, sorted; a file reached twice (through
     symlinks) is read once. Neither form descends into symlinked folders, so a symlink loop ends."""
     root = Path(source)
@@ -109,7 +117,8 @@ def _files(source: str) -> list[tuple[Path, str]]:
         raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
     files, seen = [], set()
     for path, name in sorted(named):
-        if path.is_file() and format_suffix(path) in KINDS and path.resolve() not in seen:
+        read = format_suffix(path) in CONTAINERS or selects(path.name, extensions)
+        if read and path.is_file() and path.resolve() not in seen:
             seen.add(path.resolve())
             files.append((path, name))
     if not files:
@@ -119,7 +128,7 @@ def _files(source: str) -> list[tuple[Path, str]]:
 
 def _nothing_to_read(source: str, found: list[Path]) -> str:
     """Why a path, folder or glob gives no file to read: a saved dataset (read with hf:), or which kinds it holds."""
-    expected = f"expected {', '.join(sorted(KINDS))}, optionally .gz"
+    expected = "expected source or text files (gptforge/data/languages.py, see --ext), .jsonl or .parquet"
     if any((Path(source) / marker).is_file() for marker in SAVED_DATASET) and not glob.has_magic(source):
         return f"{source}: a folder written by datasets' save_to_disk; read it as hf:{source}"
     if not found:
@@ -142,7 +151,9 @@ def _glob(pattern: str) -> list[Path]:
     return [p for p in matches if hidden_ok or not any(x.startswith(".") for x in p.relative_to(base).parts)]
 
 
-def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
+def _file_documents(
+    path: Path, name: str, text_field: str, skipped: list[tuple[str, int]] | None = None
+) -> Iterator[Document]:
     kind = format_suffix(path)
     if kind == ".parquet":
         with reading(path):
@@ -151,7 +162,16 @@ def _file_documents(path: Path, name: str, text_field: str) -> Iterator[Document
         for where, record in read_jsonl(path):
             yield f"{name}:{where.rsplit(':', 1)[1]}", _json_text(record, text_field, where)
     else:
-        yield name, read_text(path)
+        with reading(path):
+            data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        text = decode(data)
+        if text is None and not is_binary(data):
+            text = read_text(path)  # text in no encoding we read: one line naming the file, as before
+        if text is None:  # binary by content, whatever its name
+            if skipped is not None:
+                skipped.append((name, len(data)))
+            return
+        yield name, text
 
 
 def _json_text(record, text_field: str, where: str) -> str:

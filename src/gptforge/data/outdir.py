@@ -1,0 +1,117 @@
+"""The life of a `prepare` output folder: where to build (in place, resumed, or beside it and swapped in),
+its lock, the temp files a kill left, and the progress marker that says it is unfinished."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.data.shards import MANIFEST, PROGRESS
+from gptforge.errors import GptforgeError
+from gptforge.files import (
+    atomic_write,
+    check_output_dir,
+    is_empty_dir,
+    locked,
+    stale_temp_files,
+    temp_dir_for,
+    temp_dir_path,
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+REPORT_FILE = "report.md"
+# Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
+# The files prepare writes (atomic_write leaves a temp file of one when killed mid-write).
+OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE, REPORT_FILE))) + r"|(train|val)_\d+\.bin"
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None for a missing, unreadable or malformed file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def finished(out: Path, settings: PrepareSettings) -> dict[str, Any] | None:
+    """The manifest of `out` when it already holds data prepared with `settings`."""
+    done = read_json(out / MANIFEST)
+    return done if done is not None and settings.matches(done.get("settings")) else None
+
+
+@contextlib.contextmanager
+def marked_if_failed(folder: Path) -> Iterator[None]:
+    """An error (not a kill, Ctrl-C or full disk, which the same command resumes) marks the folder's progress.json
+    failed: a corrected command with other settings may then start over there without --force."""
+    try:
+        yield
+    except GptforgeError:
+        progress = read_json(folder / PROGRESS)
+        if progress is not None:
+            atomic_write(folder / PROGRESS, json.dumps({**progress, "failed": True}))
+        raise
+
+
+def already_prepared(out: Path, manifest: dict[str, Any], lock: Any = locked) -> dict[str, Any]:
+    """Say so and return `manifest`, tidying what a killed run left if the folder can be written and locked."""
+    print(f"{out}: already prepared with these settings", flush=True)
+    with contextlib.suppress(OSError, GptforgeError), lock(out, "prepare"):  # read-only, or in use: leave it
+        (out / PROGRESS).unlink(missing_ok=True)  # left by a kill between the manifest and its removal
+        remove_stale_temps(out)
+    return manifest
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete the temp files of prepare's own files that a kill -9 mid-write left; only with the lock held, so
+    no other prepare is writing them."""
+    for path in stale_temp_files(folder, OWN_FILES):
+        path.unlink(missing_ok=True)
+
+
+def remove_own_files(folder: Path) -> None:
+    """Delete the files a superseded unfinished prepare wrote (shards, tokenizer, progress); nothing else."""
+    for path in folder.iterdir():
+        if re.fullmatch(OWN_FILES, path.name) and path.is_file():
+            path.unlink()
+
+
+def destination(out: Path, settings: PrepareSettings, force: bool) -> Path | None:
+    """Where to build: `out` itself (empty, or an unfinished prepare to resume), a folder beside it that
+    replaces it once complete (--force), or None when `out` already holds this data."""
+    done, progress = read_json(out / MANIFEST), read_json(out / PROGRESS)
+    if done is not None and settings.matches(done.get("settings")) and not force:
+        return None
+    if done is None and progress is not None and _resumable(progress, settings):
+        return out  # resume; or start over, as nothing was written yet or that attempt failed
+    if is_empty_dir(out):
+        return out
+    prior = done or progress
+    if prior is None:
+        check_output_dir(out, force)  # a folder that is not gptforge data: replaced only with --force
+    elif not force:
+        what = "data prepared" if done else "an unfinished prepare"
+        saved = prior.get("settings")
+        differs = settings.difference(saved if isinstance(saved, dict) else {})
+        raise GptforgeError(
+            f"{out}: holds {what} with other settings ({differs}); "
+            "pass --force to replace it (the old data stays until the new is complete), or pick another --out"
+        )
+    final = out.resolve()  # a temp folder beside '.' needs its real name
+    unfinished = read_json(temp_dir_path(final) / PROGRESS)
+    if unfinished is not None and settings.matches(unfinished.get("settings")):
+        return temp_dir_path(final)  # a killed --force run resumes
+    return temp_dir_for(final)
+
+
+def _resumable(progress: dict[str, Any], settings: PrepareSettings) -> bool:
+    """An unfinished prepare that this one continues (same settings) or starts over: one that wrote no shard yet,
+    or failed with an error (whose corrected command has other settings)."""
+    return settings.matches(progress.get("settings")) or not progress.get("shards") or bool(progress.get("failed"))

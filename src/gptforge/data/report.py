@@ -1,0 +1,87 @@
+"""What `prepare` removed and kept, stage by stage: counted while documents are decided, saved in the manifest
+("report") and as a report.md a person reads."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLES = 10  # removed pairs and filtered documents shown in report.md
+STAGES = ("read", "binary skipped", "filtered", "exact duplicates", "near duplicates", "decontaminated", "kept")
+
+
+@dataclass
+class Report:
+    """Documents and bytes per stage and per language, and the first removed documents as samples."""
+
+    docs: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    filters: dict[str, list[int]] = field(default_factory=dict)  # filter name -> [docs, bytes]
+    languages: dict[str, list[int]] = field(default_factory=dict)  # language -> [read, kept]
+    pairs: list[dict[str, Any]] = field(default_factory=list)
+    filtered: list[dict[str, str]] = field(default_factory=list)
+
+    def count(self, stage: str, n_bytes: int) -> None:
+        self.docs[stage] += 1
+        self.bytes[stage] += n_bytes
+
+    def read(self, language: str | None, n_bytes: int) -> None:
+        self.count("read", n_bytes)
+        self.languages.setdefault(language or "unknown", [0, 0])[0] += 1
+
+    def kept(self, language: str | None, n_bytes: int) -> None:
+        self.count("kept", n_bytes)
+        self.languages[language or "unknown"][1] += 1
+
+    def filter_removed(self, name: str, rule: str, reason: str, n_bytes: int) -> None:
+        self.count("filtered", n_bytes)
+        counts = self.filters.setdefault(rule, [0, 0])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + n_bytes
+        if len(self.filtered) < SAMPLES:
+            self.filtered.append({"removed": name, "filter": rule, "reason": reason})
+
+    def duplicate(self, kind: str, name: str, kept: str, similarity: float, n_bytes: int) -> None:
+        self.count(f"{kind} duplicates", n_bytes)
+        if len(self.pairs) < SAMPLES:
+            self.pairs.append({"removed": name, "kept": kept, "kind": kind, "similarity": round(similarity, 3)})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stages": {s: {"docs": self.docs[s], "bytes": self.bytes[s]} for s in STAGES},
+            "filters": {k: {"docs": d, "bytes": b} for k, (d, b) in self.filters.items()},
+            "languages": {k: {"read": r, "kept": k_} for k, (r, k_) in sorted(self.languages.items())},
+            "duplicate_pairs": self.pairs,
+            "filtered_samples": self.filtered,
+        }
+
+    def summary(self) -> str:
+        """A line of what each stage removed, for the terminal."""
+        parts = [f"{s} {self.docs[s]:,} ({self.bytes[s] / 1e6:.2f} MB)" for s in STAGES[1:-1] if self.docs[s]]
+        read, kept = self.docs["read"], self.docs["kept"]
+        return f"read {read:,} documents; removed: {', '.join(parts) or 'none'}; kept {kept:,}"
+
+
+def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
+    """report.md from the manifest's "report" object and settings."""
+    total = report["stages"]["read"]["bytes"] or 1
+    lines = ["# What prepare removed", "", f"Source: `{settings['source']}`; dedup: `{settings.get('dedup')}`;"]
+    lines += [f"clean: `{(settings.get('clean') or {}).get('mode', 'none')}`.", ""]
+    lines += ["| stage | documents | bytes | share of bytes read |", "| --- | ---: | ---: | ---: |"]
+    for stage, c in report["stages"].items():
+        lines.append(f"| {stage} | {c['docs']:,} | {c['bytes']:,} | {100 * c['bytes'] / total:.2f}% |")
+    for name, c in sorted(report["filters"].items()):
+        lines.append(f"| filter `{name}` | {c['docs']:,} | {c['bytes']:,} | {100 * c['bytes'] / total:.2f}% |")
+    lines += ["", "## Languages", "", "| language | read | kept |", "| --- | ---: | ---: |"]
+    lines += [f"| {lang} | {c['read']:,} | {c['kept']:,} |" for lang, c in report["languages"].items()]
+    if report["duplicate_pairs"]:
+        lines += ["", "## Removed duplicates (first ones; the earliest document of a cluster is kept)", ""]
+        lines += ["| removed | kept | kind | estimated similarity |", "| --- | --- | --- | ---: |"]
+        lines += [
+            f"| `{p['removed']}` | `{p['kept']}` | {p['kind']} | {p['similarity']:.3f} |"
+            for p in report["duplicate_pairs"]
+        ]
+    if report["filtered_samples"]:
+        lines += ["", "## Filtered documents (first ones)", "", "| removed | filter | reason |", "| --- | --- | --- |"]
+        lines += [f"| `{f['removed']}` | `{f['filter']}` | {f['reason']} |" for f in report["filtered_samples"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,202 @@
+"""prepare with de-duplication and quality filters: which documents stay, in which split, whatever the workers."""
+
+import json
+import random
+
+import pytest
+
+from gptforge.data.loader import TokenLoader
+from gptforge.data.prepare import is_validation, prepare
+from gptforge.data.shards import read_manifest
+from gptforge.errors import GptforgeError
+
+WORDS = [f"w{i}" for i in range(400)]
+
+
+def _text(seed: int, lines: int = 40) -> str:
+    """A distinct document: lines of random words (two of them share almost no 5-word shingle)."""
+    rng = random.Random(seed)
+    return "\n".join(" ".join(rng.choices(WORDS, k=8)) for _ in range(lines)) + "\n"
+
+
+def _near_copy(text: str) -> str:
+    """The same document with one line of 40 changed (Jaccard about 0.9)."""
+    lines = text.splitlines()
+    lines[7] = "a changed line of entirely new words here"
+    return "\n".join(lines) + "\n"
+
+
+def _corpus(root, n=12):
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"doc{i:02d}.txt").write_text(_text(i))
+    (root / "zz_exact.txt").write_text(_text(3))  # copies come later in source order: the earlier file is kept
+    (root / "zz_near.txt").write_text(_near_copy(_text(5)))
+    return root
+
+
+def _shards(manifest):
+    return [(s["file"], s["sha256"], s["docs"]) for s in manifest["shards"]]
+
+
+def test_planted_exact_and_near_copies_are_removed_keeping_the_first(tmp_path):
+    src = _corpus(tmp_path / "src")
+    m = prepare(str(src), tmp_path / "out", val_fraction=0, workers=1)
+    stages = m["report"]["stages"]
+    assert stages["read"]["docs"] == 14 and stages["kept"]["docs"] == 12 == m["splits"]["train"]["docs"]
+    assert stages["exact duplicates"]["docs"] == 1 and stages["near duplicates"]["docs"] == 1
+    pairs = {p["removed"]: (p["kept"], p["kind"]) for p in m["report"]["duplicate_pairs"]}
+    assert pairs == {"zz_exact.txt": ("doc03.txt", "exact"), "zz_near.txt": ("doc05.txt", "near")}
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| `zz_near.txt` | `doc05.txt` | near |" in report and "| near duplicates | 1 |" in report
+    assert m["settings"]["dedup"]["mode"] == "near"
+    raw = prepare(str(src), tmp_path / "raw", val_fraction=0, workers=1, dedup="none")
+    assert raw["splits"]["train"]["docs"] == 14 and raw["report"]["stages"]["kept"]["docs"] == 14
+    exact = prepare(str(src), tmp_path / "exact", val_fraction=0, workers=1, dedup="exact")
+    assert exact["splits"]["train"]["docs"] == 13
+
+
+def _leaky_names(val_fraction=0.5):
+    """An original whose name trains and a later copy whose name is drawn into validation."""
+    train = next(f"a{i:03d}.txt" for i in range(1, 999) if not is_validation(f"a{i:03d}.txt", 1, val_fraction))
+    val = next(f"b{i:03d}.txt" for i in range(999) if is_validation(f"b{i:03d}.txt", 1, val_fraction))
+    return train, val
+
+
+def test_a_near_copy_is_never_in_the_other_split(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    original, copy = _leaky_names()
+    (src / "a000.txt").write_text(_text(100))  # the first document, always validation
+    (src / original).write_text(_text(101))
+    (src / copy).write_text(_near_copy(_text(101)))
+    raw = prepare(str(src), tmp_path / "raw", val_fraction=0.5, workers=1, dedup="none")
+    assert raw["splits"]["val"]["docs"] == 2  # without dedup the copy validates on what trained
+    m = prepare(str(src), tmp_path / "out", val_fraction=0.5, workers=1)
+    assert m["splits"] == {**m["splits"], "val": {**m["splits"]["val"], "docs": 1}}
+    assert m["splits"]["train"]["docs"] == 1
+    (pair,) = m["report"]["duplicate_pairs"]
+    assert pair["removed"] == copy and pair["kept"] == original
+
+
+def test_the_same_documents_are_kept_whatever_the_worker_count(tmp_path, monkeypatch):
+    import gptforge.data.prepare as prep
+
+    monkeypatch.setattr(prep, "BATCH_DOCS", 2)  # many small batches, finished by the workers in any order
+    monkeypatch.setattr(prep, "_cpu_count", lambda: 3)
+    src = _corpus(tmp_path / "src", n=20)
+    one = prepare(str(src), tmp_path / "one", val_fraction=0.2, shard_tokens=3000, workers=1)
+    three = prepare(str(src), tmp_path / "three", val_fraction=0.2, shard_tokens=3000, workers=3)
+    assert _shards(one) == _shards(three) and one["report"] == three["report"]
+
+
+def test_resume_after_a_crash_with_dedup_gives_the_uninterrupted_shards(tmp_path, monkeypatch):
+    import gptforge.data.prepare as prep
+
+    src = _corpus(tmp_path / "src", n=30)
+    (src / "zz_late_copy.txt").write_text(_text(2))  # its original sits in a shard written before the crash
+    clean = prepare(str(src), tmp_path / "clean", val_fraction=0.2, shard_tokens=1500, workers=1)
+    real = prep.documents
+
+    def crashing(source, field, **kw):
+        for i, doc in enumerate(real(source, field, **kw)):
+            if i == 24:
+                raise RuntimeError("simulated crash")
+            yield doc
+
+    monkeypatch.setattr(prep, "documents", crashing)
+    monkeypatch.setattr(prep, "BATCH_DOCS", 4)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        prepare(str(src), tmp_path / "out", val_fraction=0.2, shard_tokens=1500, workers=1)
+    assert json.loads((tmp_path / "out" / "progress.json").read_text())["shards"]
+    monkeypatch.setattr(prep, "documents", real)
+    resumed = prepare(str(src), tmp_path / "out", val_fraction=0.2, shard_tokens=1500, workers=1)
+    assert _shards(resumed) == _shards(clean) and resumed["report"] == clean["report"]
+    assert resumed["report"]["stages"]["exact duplicates"]["docs"] == 2
+
+
+def test_clean_code_removes_a_minified_file_and_names_its_filter(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"mod{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(20)))
+    (src / "generated.py").write_text("a=1;" * 1000)  # one 4,000-character line
+    m = prepare(str(src), tmp_path / "out", val_fraction=0, workers=1, clean="code")
+    assert m["splits"]["train"]["docs"] == 3 and m["report"]["stages"]["filtered"]["docs"] == 1
+    (sample,) = m["report"]["filtered_samples"]
+    assert sample["removed"] == "generated.py" and sample["filter"].startswith("code.")
+    assert sample["filter"] in m["report"]["filters"]
+    kept = prepare(str(src), tmp_path / "raw", val_fraction=0, workers=1)
+    assert kept["splits"]["train"]["docs"] == 4  # off unless asked
+
+
+def test_a_filter_that_removes_every_document_is_one_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("a=1;" * 1000)
+    with pytest.raises(GptforgeError, match=r"--clean code removed every document \(filter code\.\S+ removed 1 of 1"):
+        prepare(str(src), tmp_path / "out", val_fraction=0, workers=1, clean="code")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dedup": "fuzzy"}, "--dedup 'fuzzy': expected one of none, exact, near"),
+        ({"clean": "prose"}, "--clean 'prose': expected one of"),
+        ({"clean_set": ["code.nope=1"]}, "unknown key code.nope"),
+    ],
+)
+def test_bad_cleaning_flags_are_one_line_before_any_work(tmp_path, kwargs, message):
+    src = _corpus(tmp_path / "src", n=2)
+    with pytest.raises(GptforgeError, match=message):
+        prepare(str(src), tmp_path / "out", val_fraction=0, workers=1, **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_dedup_numbers_are_one_line(tmp_path):
+    from gptforge.data.dedup import DedupSettings
+
+    src = _corpus(tmp_path / "src", n=2)
+    for settings, message in [
+        (DedupSettings(threshold=0), "--dedup-threshold must be in"),
+        (DedupSettings(bands=5), "--dedup-bands 5: expected a positive divisor of --dedup-hashes 128"),
+        (DedupSettings(shingle=0), "--dedup-shingle must be positive"),
+    ]:
+        with pytest.raises(GptforgeError, match=message):
+            prepare(str(src), tmp_path / "out", val_fraction=0, workers=1, dedup=settings)
+
+
+def test_a_folder_prepared_before_dedup_still_loads_and_says_its_split_may_leak(tmp_path, capsys):
+    src = _corpus(tmp_path / "src", n=20)
+    out = tmp_path / "out"
+    prepare(str(src), out, val_fraction=0.3, shard_tokens=500, workers=1, dedup="none")
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("dedup", "clean", "ext"):  # as written before these settings existed
+        manifest["settings"].pop(key, None)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert prepare(str(src), out, val_fraction=0.3, shard_tokens=500, workers=1)["settings"] == manifest["settings"]
+    assert "already prepared with these settings" in capsys.readouterr().out
+    TokenLoader(out, "train", batch_size=1, seq_len=8)
+    assert capsys.readouterr().out == ""
+    TokenLoader(out, "val", batch_size=1, seq_len=8)
+    assert "may hold near-copies of training documents" in capsys.readouterr().out
+    with pytest.raises(GptforgeError, match=r"--clean/--clean-set was None, now \{"):
+        prepare(str(src), out, val_fraction=0.3, shard_tokens=500, workers=1, clean="code")
+    assert read_manifest(out)["settings"] == manifest["settings"]
+
+
+def test_code_in_any_language_is_read_with_its_language_and_binary_files_are_skipped(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "app.js").write_text("function add(a, b) { return a + b; }\n" * 3)
+    (src / "main.c").write_text("int main(void) { return 0; }\n")
+    (src / "srv.go").write_text("package main\nfunc main() {}\n")
+    (src / "blob.py").write_bytes(b"\x00\x01binary\x00" * 100)  # a .py by name, binary by content
+    (src / "data.json").write_text('{"a": 1}')  # data files are read only when --ext asks
+    m = prepare(str(src), tmp_path / "out", val_fraction=0, workers=1)
+    languages = m["report"]["languages"]
+    assert languages == {lang: {"read": 1, "kept": 1} for lang in ("C", "Go", "JavaScript")}
+    assert m["report"]["stages"]["binary skipped"] == {"docs": 1, "bytes": 900}
+    only_go = prepare(str(src), tmp_path / "go", val_fraction=0, workers=1, ext="go,json")
+    assert set(only_go["report"]["languages"]) == {"Go", "JSON"} and only_go["settings"]["ext"] == [".go", ".json"]
