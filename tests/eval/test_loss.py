@@ -18,7 +18,7 @@ def test_all_zero_logits_give_ln_v_and_the_exact_bits_per_byte(tmp_path):
     corpus.mkdir()
     for i in range(40):  # identical documents: every split has the same tokens-per-byte ratio
         (corpus / f"doc_{i:02d}.txt").write_text(DOC * 3, encoding="utf-8")
-    prepare(str(corpus), tmp_path / "data", val_fraction=0.25, workers=1)
+    prepare(str(corpus), tmp_path / "data", val_fraction=0.25, workers=1, dedup="none")  # copies kept on purpose
     tok = load_tokenizer("gpt2")
     tokens_per_doc = len(tok.encode(DOC * 3)) + 1  # each document ends with EOT
     bytes_per_doc = len((DOC * 3).encode("utf-8"))
