@@ -64,6 +64,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.config import describe, load_config
     from gptforge.runtime.distributed import launcher_overrides
     from gptforge.train.checkpointer import resume_config
+    from gptforge.train.setup import check_init_overrides
     from gptforge.train.trainer import train
 
     if args.help_config:
@@ -76,6 +77,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = resume_config(Path(args.out), args.resume, overrides)
     else:
         cfg = load_config(args.config or "demo-cpu", overrides)
+    check_init_overrides(cfg, overrides)
     train(cfg, args.out, resume=args.resume)
 
 

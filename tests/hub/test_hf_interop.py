@@ -170,6 +170,21 @@ def test_training_starts_from_an_imported_model(tmp_path, data_dir):
     assert result.first_val["loss"] == pytest.approx(expected, abs=1e-6)
 
 
+def test_an_explicit_architecture_set_that_init_from_would_replace_is_refused(tmp_path, data_dir, capsys):
+    hf_model(seed=3, n_positions=32).save_pretrained(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    common = ["train", "--config", "tiny", "--data", str(data_dir), "--set", f"train.init_from={tmp_path / 'ckpt'}"]
+    capsys.readouterr()
+    assert main([*common, "--set", "model.n_layer=5", "--out", str(tmp_path / "refused")]) == 1
+    err = capsys.readouterr().err
+    assert "--set model.n_layer=5" in err and "its n_layer is 2" in err and err.count("\n") == 1
+    assert not (tmp_path / "refused").exists()
+    # The checkpoint's own value and the run's own options (dropout) are accepted, and dropout is the run's.
+    run = ["--set", "model.n_layer=2", "--set", "model.dropout=0.25", "--set", "train.max_steps=1"]
+    assert main([*common, *run, "--out", str(tmp_path / "run")]) == 0
+    assert "dropout = 0.25" in (tmp_path / "run" / "config.toml").read_text()
+
+
 def test_init_from_with_another_tokenizer_is_refused(tmp_path, data_dir):
     from gptforge.config import load_config
     from gptforge.train.trainer import train

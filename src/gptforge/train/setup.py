@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from gptforge.checkpoint import META, load_checkpoint, read_meta
-from gptforge.config import Config
+from gptforge.checkpoint import META, load_checkpoint, read_meta, resolve_checkpoint
+from gptforge.config import Config, config_from_dict
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Source, open_mix, parse_mix
 from gptforge.data.shards import fingerprint, read_manifest
@@ -85,11 +85,31 @@ def check_resume_tokenizer(ckpt: Path, tokenizer: Tokenizer, data_dir: str) -> N
     check_data_tokenizer(tokenizer, data_dir, load_tokenizer(name, ckpt), f"checkpoint {ckpt}")
 
 
+# Model options that change neither the weights nor what they compute at evaluation: a run keeps its own.
+RUN_OWN_MODEL_KEYS = ("fused_loss", "activation_checkpointing", "dropout")
+
+
+def check_init_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Refuse `--set model.KEY=VALUE` that train.init_from's architecture would replace without a word."""
+    keys = {item.partition("=")[0].strip().removeprefix("model.") for item in overrides if item.startswith("model.")}
+    asked = sorted(keys - {*RUN_OWN_MODEL_KEYS, "vocab_size"})
+    if not cfg.train.init_from or not asked:
+        return
+    saved = config_from_dict(read_meta(resolve_checkpoint(cfg.train.init_from))["config"]).model
+    for key in asked:
+        ours, theirs = getattr(cfg.model, key), getattr(saved, key)
+        if ours != theirs:
+            raise GptforgeError(
+                f"--set model.{key}={ours}: train.init_from={cfg.train.init_from} decides the architecture and its "
+                f"{key} is {theirs} (a run sets only model.{', model.'.join(RUN_OWN_MODEL_KEYS)} of its own)"
+            )
+
+
 def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str, torch.Tensor] | None]:
     """The config the run trains with, and `train.init_from`'s weights if any; `cfg` itself is left unchanged.
 
-    The data decides the vocabulary; an init_from checkpoint decides the architecture (our execution options,
-    fused loss and activation checkpointing, stay ours).
+    The data decides the vocabulary; an init_from checkpoint decides the architecture (RUN_OWN_MODEL_KEYS stay
+    the run's own, as nanoGPT keeps its dropout).
     """
     model_cfg, weights = cfg.model, None
     if cfg.train.init_from:
@@ -99,7 +119,7 @@ def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str,
                 f"train.init_from={cfg.train.init_from}: its tokenizer ({init_tok.name}, {init_tok.vocab_size}) "
                 f"differs from the data's ({tokenizer.name}, {tokenizer.vocab_size}); prepare the data with it"
             )
-        execution = {"fused_loss": cfg.model.fused_loss, "activation_checkpointing": cfg.model.activation_checkpointing}
+        execution = {key: getattr(cfg.model, key) for key in RUN_OWN_MODEL_KEYS}
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
     lr_at(0, cfg.optim, 1)  # an unknown schedule fails now, not after the first evaluation
