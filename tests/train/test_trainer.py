@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,6 +75,28 @@ def test_time_budget_cuts_the_step_count(data_dir, tmp_path):
     result = train(tiny_cfg(data_dir, "train.max_steps=100000", "train.time_budget=4", "eval.every=0"), tmp_path / "r")
     assert 1 <= result.steps < 100000
     assert result.checkpoint.name == f"step_{result.steps:06d}"
+
+
+def test_a_time_budget_on_a_clock_that_slows_down_halfway_ends_its_decay_on_time(data_dir, tmp_path, monkeypatch):
+    """The trainer on a fake clock: a step takes 1 s, then 2 s from 30 s on. The step count is planned again as
+    the pace drifts, so the run ends on its schedule (the learning rate fully decayed) within the budget."""
+    import gptforge.train.trainer as trainer
+
+    clock = {"now": 0.0}
+    step = trainer.train_step
+
+    def slow_step(*args, **kwargs):
+        clock["now"] += 1.0 if clock["now"] < 30 else 2.0
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", slow_step)
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    cfg = tiny_cfg(data_dir, "train.max_steps=100000", "train.time_budget=80", "eval.every=0", "optim.warmup_steps=2")
+    result = train(cfg, tmp_path / "r")
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if r["kind"] == "train"]
+    assert clock["now"] <= 80 and result.steps == len(lrs) >= 45
+    assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)  # the decay ended
 
 
 def test_batch_must_divide(data_dir, tmp_path):

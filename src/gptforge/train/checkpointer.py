@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +33,8 @@ class Checkpointer:
         self.data = data.fingerprint  # what a resume compares against (the data may change under a run)
         self.last_good: Path | None = None
         """The newest checkpoint this run saved or resumed from."""
+        self.seconds = 0.0
+        """What the last save took."""
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.checkpoint.every) and step % self.cfg.checkpoint.every == 0
@@ -39,7 +42,7 @@ class Checkpointer:
     def save(self, state: TrainState, batches: Prefetcher) -> Path:
         """Weights, optimizer, counters, data position (after the last batch trained on), scaler, RNG; then
         prune old checkpoints and push an export when the config asks."""
-        s, ckpt = self.setup, self.cfg.checkpoint
+        s, ckpt, t0 = self.setup, self.cfg.checkpoint, time.perf_counter()
         extra = {**state.state_dict(), "loader": batches.state_dict(), "scaler": s.scaler.state_dict()}
         extra["data"] = self.data
         path = save_checkpoint(
@@ -53,6 +56,7 @@ class Checkpointer:
             branch = ckpt.push_branch or self.run_dir.resolve().name
             commit = export_and_push(s.model, self.tokenizer, ckpt.push, branch, f"step {state.step}")
             print0(self.env, f"pushed step {state.step} to {ckpt.push} branch {branch} ({commit[:12]})")
+        self.seconds = time.perf_counter() - t0
         return path
 
     def restore(self, ckpt: Path, state: TrainState, loader) -> list[str]:
@@ -81,7 +85,9 @@ class Checkpointer:
                     f"train.max_steps={self.cfg.train.max_steps}: {ckpt} is already at step {state.step}"
                 )
             state.max_steps = self.cfg.train.max_steps
-        print0(self.env, f"resumed from {ckpt} at step {state.step} of {state.max_steps}")
+        budget = self.cfg.train.time_budget
+        plans = f" (the time budget plans again: {state.seconds:.0f}s of {budget:.0f}s spent)" if budget else ""
+        print0(self.env, f"resumed from {ckpt} at step {state.step} of {state.max_steps}{plans}")
         for change in changes:
             print0(self.env, f"  changed since that checkpoint: {change}")
         return changes

@@ -13,7 +13,7 @@ from gptforge.errors import GptforgeError
 @dataclass
 class TrainState:
     max_steps: int
-    """Steps the schedule spans (a time budget may lower it once, after calibration)."""
+    """Steps the schedule spans (a time budget plans it from the pace, and again as the pace drifts)."""
     step: int = 0
     """Optimizer steps taken (skipped ones included)."""
     tokens: int = 0
@@ -22,6 +22,8 @@ class TrainState:
     """Steps skipped for a non-finite loss or gradient, in all."""
     skipped_in_row: int = 0
     """Of those, the ones since the last applied step."""
+    seconds: float = 0.0
+    """Wall-clock seconds the run's commands spent so far (a time budget counts them all)."""
 
     def advance(self, applied: bool, tokens: int) -> None:
         self.step += 1
@@ -44,12 +46,14 @@ class TrainState:
             "max_steps": self.max_steps,
             "skipped_steps": self.skipped,
             "skipped_in_row": self.skipped_in_row,
+            "seconds": self.seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens, self.max_steps = state["step"], state["tokens"], state["max_steps"]
         self.skipped = state.get("skipped_steps", 0)
         self.skipped_in_row = state.get("skipped_in_row", 0)
+        self.seconds = state.get("seconds", 0.0)
 
 
 def ramp_accumulation(tokens: int, grad_accum: int, ramp_tokens: int) -> int:

@@ -15,9 +15,10 @@ import torch
 from gptforge.config import Config
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum, broadcast_int, print0, waiting_in
 
-# A time budget fixes the step count from the pace of steps CALIBRATION_START..CALIBRATION_END
-# (the first steps pay for warm-up: allocator, compilation).
-CALIBRATION_START, CALIBRATION_END = 5, 25
+# A time budget plans the step count once PLAN_AFTER steps of a command ran (the first one, which pays for warm-up,
+# is not paced), each step until CALIBRATION_STEPS, then every REPLAN_EVERY steps from the last PACE_WINDOW steps'
+# pace; a plan that moved more than DRIFT from the last one said is said again.
+PLAN_AFTER, CALIBRATION_STEPS, REPLAN_EVERY, PACE_WINDOW, DRIFT = 2, 25, 10, 20, 0.05
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A training step returns to Python every few milliseconds; a main thread this long in one native call when a stop
 # signal comes is waiting on a peer rank that stopped responding, and would not reach the stop vote.
@@ -92,48 +93,85 @@ def _blocked_stack(seconds: float) -> traceback.StackSummary | None:
 
 
 class TimeBudget:
-    """`train.time_budget` seconds for the whole run (0: none); rank 0's clock decides for every rank."""
+    """`train.time_budget` seconds for the whole run, evaluations, checkpoints and earlier commands of a resumed run
+    included (0: none). The step count is planned from the steps' recent pace after the first paced step and
+    planned again as the pace drifts, so the schedule's decay ends on time; rank 0's clock decides for every rank."""
 
-    def __init__(self, cfg: Config, has_val: bool, env: DistEnv, device: torch.device) -> None:
+    def __init__(self, cfg: Config, has_val: bool, env: DistEnv, device: torch.device, first_step: int = 0) -> None:
         self.seconds, self.env, self.device = cfg.train.time_budget, env, device
+        self.ceiling, self.warmup = cfg.train.max_steps, cfg.optim.warmup_steps
         self.eval_every = cfg.eval.every if has_val else 0
-        self._t_calibrate: float | None = None
-        self._eval_total = self._eval_at_calibrate = 0.0  # evaluation seconds so far, and when calibration began
-        self._evals = self._evals_at_calibrate = 0
+        self.save_every = cfg.checkpoint.every
+        self.first_step = first_step
         self.eval_seconds = 0.0
-        """What one evaluation costs: each `eval_every` steps, and once more at the end. The first one's time
-        until evaluations inside the calibration window say better (the first also pays one-time warm-up: 1 s on
-        a GPU whose evaluations then take 0.1 s)."""
+        """What one evaluation costs: each `eval_every` steps, and once more at the end (the latest one's time)."""
+        self.save_seconds = 0.0
+        """What one checkpoint costs: each `save_every` steps, and once more at the end."""
+        self._paces: list[float] = []  # seconds of each recent step, evaluations and checkpoints left out
+        self._mark: float | None = None
+        self._extra = 0.0  # evaluation and checkpoint seconds since the mark
+        self._said: int | None = None
 
     def calibrating(self, step: int) -> bool:
-        return self.seconds > 0 and step < CALIBRATION_END
+        """No step count planned yet (the first steps of a command pay for warm-up: allocator, compilation)."""
+        return self.seconds > 0 and step < self.first_step + PLAN_AFTER
 
-    def fit_steps(self, step: int, max_steps: int, now: float, elapsed: float) -> int:
-        """The step count, fixed once at CALIBRATION_END from the pace of the steps since CALIBRATION_START
-        (plus the evaluations' share) so that the run, its schedule included, ends on time."""
+    def plan(self, step: int, max_steps: int, now: float, elapsed: float) -> int:
+        """The step count that ends the run on time at the recent pace (`elapsed`: the run's seconds so far),
+        planned each step at first and every REPLAN_EVERY steps after; said when it moves by more than DRIFT."""
         if self.seconds <= 0:
             return max_steps
-        if step == CALIBRATION_START:
-            self._t_calibrate, self._eval_at_calibrate, self._evals_at_calibrate = now, self._eval_total, self._evals
-        elif step == CALIBRATION_END and self._t_calibrate is not None:
-            # The steps' own pace: evaluations inside the window are planned for separately below.
-            window_evals = self._evals - self._evals_at_calibrate
-            window_eval_seconds = self._eval_total - self._eval_at_calibrate
-            if window_evals:
-                self.eval_seconds = window_eval_seconds / window_evals
-            per_step = (now - self._t_calibrate - window_eval_seconds) / (CALIBRATION_END - CALIBRATION_START)
-            if self.eval_every:
-                per_step += self.eval_seconds / self.eval_every
-            left = self.seconds - elapsed - self.eval_seconds
-            fitted = max(step, min(max_steps, step + int(left / per_step)))
-            max_steps = broadcast_int(fitted, self.env, self.device)
-            print0(self.env, f"time budget {self.seconds:.0f}s: {per_step:.2f}s/step -> {max_steps} steps")
-        return max_steps
+        if self._mark is not None:  # the command's first step pays for warm-up: it has no mark before it
+            self._paces = [*self._paces, now - self._mark - self._extra][-PACE_WINDOW:]
+        self._mark, self._extra = now, 0.0
+        since = step - self.first_step
+        if since < PLAN_AFTER or (since >= CALIBRATION_STEPS and since % REPLAN_EVERY):
+            return max_steps
+        recent = self._paces[-REPLAN_EVERY:]  # a slowdown counts at once, a speed-up once the window holds it
+        per_step = max(sum(self._paces) / len(self._paces), sum(recent) / len(recent))
+        left = self.seconds - elapsed - self.eval_seconds - self.save_seconds  # the final evaluation and save
+        fitted = broadcast_int(self._fit(step, left, per_step), self.env, self.device)
+        if self._said is None or abs(fitted - self._said) > DRIFT * self._said:
+            again = "" if self._said is None else f" (was {self._said}: the pace changed)"
+            print0(self.env, f"time budget {self.seconds:.0f}s: {per_step:.2f}s/step -> {fitted} steps{again}")
+            if self._said is None and fitted <= self.warmup:
+                print0(self.env, self._too_short(fitted, per_step))
+            self._said = fitted
+        return fitted
+
+    def _fit(self, step: int, left: float, per_step: float) -> int:
+        """The last step that ends within `left` seconds, with the evaluations and checkpoints due before it (this
+        step's own included: they run after the plan)."""
+
+        def cost(last: int) -> float:
+            due = [(last - 1) // n - (step - 1) // n if n else 0 for n in (self.eval_every, self.save_every)]
+            return (last - step) * per_step + due[0] * self.eval_seconds + due[1] * self.save_seconds
+
+        spread = per_step + (self.eval_seconds / self.eval_every if self.eval_every else 0.0)
+        spread += self.save_seconds / self.save_every if self.save_every else 0.0
+        fitted = max(step, min(self.ceiling, step + int(left / spread)))
+        while fitted > step and cost(fitted) > left:
+            fitted -= 1
+        while fitted < self.ceiling and cost(fitted + 1) <= left:
+            fitted += 1
+        return fitted
+
+    def _too_short(self, fitted: int, per_step: float) -> str:
+        need = (self.warmup * 4) * per_step + self.eval_seconds
+        return (
+            f"warning: only {fitted} steps fit in train.time_budget={self.seconds:.0f}, not past the learning rate's "
+            f"{self.warmup}-step warm-up: the model will barely train (about {need:.0f}s would give 4x the warm-up)"
+        )
 
     def evaluated(self, seconds: float) -> None:
-        """An evaluation during the loop took `seconds` (kept out of the steps' measured pace)."""
-        self._eval_total += seconds
-        self._evals += 1
+        """An evaluation took `seconds` (kept out of the steps' pace; the next ones are planned to cost as much)."""
+        self.eval_seconds = seconds
+        self._extra += seconds
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint took `seconds` (kept out of the steps' pace; the next ones are planned to cost as much)."""
+        self.save_seconds = seconds
+        self._extra += seconds
 
     def stop_vote(self, stop: StopSignal, elapsed: float) -> str | None:
         """Why every rank should stop after this step, or None: any rank's signal, or rank 0 out of time."""

@@ -79,11 +79,12 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     if restarting:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
         metrics.write("resume", state.step, checkpoint=str(resume_from or ""), changes=changes)
     evaluate = Evaluator(cfg, s, data, metrics, run_dir, env)
-    budget = TimeBudget(cfg, data.has_val, env, device)
+    budget = TimeBudget(cfg, data.has_val, env, device, first_step=state.step)
     utilisation = Utilisation(s.peak_flops, device, s.dtype)
 
     first_val = last_val = evaluate(state.step) if state.step == 0 else None
-    budget.eval_seconds = evaluate.seconds  # the budget plans with the first evaluation's time
+    budget.evaluated(evaluate.seconds)
+    spent = state.seconds  # by earlier commands of this run: a time budget is the run's
     t_loop, step_loop = time.perf_counter(), state.step
     s.model.train()
     # Batches are read ahead on a thread; `batches.state_dict()` is the position after the last one trained on.
@@ -98,18 +99,19 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
         step_tokens = accum * B * T * world
         state.advance(applied, step_tokens)
         loss_value, norm_value, now = loss.item(), float(norm), time.perf_counter()
-        dt, elapsed = now - t0, now - t_start
+        dt, elapsed = now - t0, spent + now - t_start
+        state.seconds = elapsed
         if not applied:
             print0(f"step {state.step}: non-finite loss or gradient ({loss_value}, norm {norm_value}): update skipped")
             state.check_skips(cfg.train.max_skips, checkpointer.last_good)
-        state.max_steps = budget.fit_steps(state.step, state.max_steps, now, elapsed)
+        state.max_steps = budget.plan(state.step, state.max_steps, now, elapsed)
 
         mfu = utilisation(s.model.flops_per_token(T) * step_tokens / dt / world)
         metrics.write(
             "train", state.step, loss=loss_value, lr=lr, grad_norm=norm_value, ms=dt * 1000, tokens=state.tokens,
             tokens_per_s=step_tokens / dt, mfu=mfu, skipped=state.skipped, **loader.progress(batches.state_dict()),
         )  # fmt: skip
-        if state.step % max(1, cfg.log.every) == 0 or state.step == state.max_steps:
+        if state.step % max(1, cfg.log.every) == 0 or state.step in (step_loop + 1, state.max_steps):
             eta = (time.perf_counter() - t_loop) / (state.step - step_loop) * (state.max_steps - state.step)
             calibrating = budget.calibrating(state.step)
             print0(
@@ -122,10 +124,11 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
             budget.evaluated(evaluate.seconds)
         if state.step < state.max_steps and checkpointer.due(state.step):
             checkpointer.save(state, batches)
+            budget.saved(checkpointer.seconds)
         # Every rank must leave the loop at the same step.
         why = budget.stop_vote(stop, elapsed)
         if state.step < state.max_steps and why:
-            print0(f"stopping at step {state.step} on {why}: saving a checkpoint")
+            print0(f"stopping at step {state.step} of {state.max_steps} on {why}: saving a checkpoint")
             break
 
     last_val = evaluate(state.step) or last_val
