@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gptforge.cli import main
 from gptforge.errors import GptforgeError
@@ -49,7 +50,13 @@ def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
     assert main(args) == 0
     humaneval = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["humaneval"]
     assert humaneval["problems"] == 1 and humaneval["n"] == 2 and set(humaneval) >= {"pass@1", "pass@2"}
-    assert main(["sample", str(run), "--prompt", "def add", "-n", "2", "--max-new-tokens", "5"]) == 0
+    threads = torch.get_num_threads()
+    try:
+        sample = ["sample", str(run), "--prompt", "def add", "-n", "2", "--max-new-tokens", "5"]
+        assert main([*sample, "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert out.count("--- sample") == 2 and "def add" in out
     assert main(["plot", str(run)]) == 0
@@ -76,6 +83,7 @@ def test_console_script_runs():
         (["sample", "{tmp}", "--temperature", "nan"], 2, "argument --temperature: expected a number >= 0.0"),
         (["eval", "{tmp}", "--k", "1,x"], 2, "argument --k: expected comma-separated positive integers"),
         (["eval", "{tmp}", "--batch-size", "0"], 2, "argument --batch-size: expected an integer >= 1, got '0'"),
+        (["eval", "{tmp}", "--threads", "0"], 2, "argument --threads: expected an integer >= 1, got '0'"),
         (["bench", "--steps", "0"], 2, "argument --steps: expected an integer >= 1, got '0'"),
         (["sample", "{tmp}", "--seed", "9" * 24], 2, "argument --seed: expected an integer in [0, 2**63)"),
         (["train", "--data", "{tmp}", "--set", "model.n_head=3"], 1, "model.n_head=3 must divide model.n_embd"),

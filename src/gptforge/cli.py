@@ -20,6 +20,7 @@ from gptforge.runtime.allocator import keep_freed_memory
 PACKAGE = str(Path(__file__).parent)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
+THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
 FORCE_HELP = "replace a non-empty --out folder (the old one is removed only once the new one is complete)"
 
 
@@ -83,6 +84,9 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from gptforge.eval.suite import evaluate_checkpoint, format_results
+    from gptforge.runtime.threads import use_threads
+
+    use_threads(args.threads or 0)
 
     result = evaluate_checkpoint(
         args.checkpoint,
@@ -105,7 +109,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
+    from gptforge.runtime.threads import use_threads
     from gptforge.sample import sample_texts
+
+    use_threads(args.threads or 0)
 
     pieces = sample_texts(
         args.checkpoint,
@@ -366,6 +373,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    s.add_argument("--threads", type=_at_least(1), help=THREADS_HELP)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_eval)
 
@@ -381,6 +389,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    s.add_argument("--threads", type=_at_least(1), help=THREADS_HELP)
     s.set_defaults(func=cmd_sample)
 
     s = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee)")
@@ -476,7 +485,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument(
         "--threads",
         type=_at_least(1),
-        help="CPU threads for generation (default: torch's; 1 beside a CPU training run)",
+        help=f"{THREADS_HELP}; 1 beside a CPU training run",
     )
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)

@@ -84,7 +84,8 @@ class TrainConfig:
     max_steps: int = 19_073
     """Optimizer steps; the LR schedule spans exactly these."""
     time_budget: float = 0.0
-    """Wall-clock seconds for the run (0: none). Steps are cut to fit, measured after a few steps."""
+    """Wall-clock seconds for the whole run (0: none): the step count is planned from the steps' pace, and again
+    as it drifts, so that the schedule ends on time; a resumed run counts its earlier commands' seconds."""
     seed: int = 1337
     """Seed for initialization and data order."""
     device: str = "auto"
@@ -103,6 +104,9 @@ class TrainConfig:
     many tokens (0: full batch from the start)."""
     max_skips: int = 10
     """Stop after this many steps in a row with a non-finite loss or gradient (each is skipped, not applied)."""
+    threads: int = 0
+    """CPU threads per process (0: torch's count, one per core). On busy cores fewer can be faster: a run whose
+    matmuls measure far below an idle core's speed says so, with how one thread compares."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU (0: from the GPU table, or a matmul probe on CPU)."""
     init_from: str = ""
@@ -267,6 +271,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.max_skips": _at_least(1),
     "train.dist_timeout": _POSITIVE,
     "train.peak_flops": _at_least(0),
+    "train.threads": _at_least(0),
     "eval.every": _at_least(0),
     "eval.tokens": _at_least(1),
     "eval.hellaswag_limit": _at_least(0),

@@ -230,3 +230,32 @@ def test_auto_precision_is_measured_recorded_and_kept_on_resume(data_dir, tmp_pa
     result = train(tiny_cfg(data_dir, "train.dtype=auto", "train.max_steps=4"), tmp_path / "run", resume="auto")
     assert result.config.train.dtype == "float32" and result.steps == 4
     device.cpu_bf16_is_faster.cache_clear()
+
+
+def test_train_threads_sets_the_cpu_threads_and_slow_matmuls_are_warned_of(data_dir, tmp_path, capsys, monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr("gptforge.train.setup.peak_flops", lambda *a: (1e9, "measured CPU float32 matmul"))
+    try:
+        train(tiny_cfg(data_dir, "train.max_steps=1", "train.threads=1"), tmp_path / "r")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "1 thread each" in out
+    assert "warning: matmuls ran at 1 GFLOP/s on 1 thread, far below an idle core's" in out
+    monkeypatch.setattr("gptforge.train.setup.peak_flops", lambda *a: (1e12, "measured CPU float32 matmul"))
+    train(tiny_cfg(data_dir, "train.max_steps=1"), tmp_path / "r2")
+    assert "warning: matmuls" not in capsys.readouterr().out
+
+
+def test_a_slow_probe_on_several_threads_compares_one_thread():
+    from gptforge.runtime.threads import busy_warning
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        line = busy_warning(1e9, torch.float32)
+        assert "try train.threads=1 (one thread ran matmuls" in line and "as fast as 2)" in line
+        assert busy_warning(100e9, torch.float32) is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

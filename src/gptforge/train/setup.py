@@ -25,6 +25,7 @@ from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime.device import DTYPES, physical_memory, resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
+from gptforge.runtime.threads import busy_warning, use_threads
 from gptforge.train.optim import build_optimizer, lr_at
 
 
@@ -178,6 +179,8 @@ class TrainSetup:
     peak_flops: float
     """Peak FLOP/s of one device, for MFU (0: unknown)."""
     peak_source: str
+    notes: tuple[str, ...] = ()
+    """Lines the run header adds: a warning when the CPU's matmuls run far below an idle machine's speed."""
 
 
 def build(
@@ -186,6 +189,8 @@ def build(
     """Model (seeded, the same on every rank), optimizer, loss scaler and step size for a resolved config."""
     dtype = resolve_dtype(cfg.train.dtype, device)
     setup_fast_math(device)
+    if device.type == "cpu":
+        use_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     grad_accum = grad_accumulation(cfg, env.world_size)
     check_model_fits(cfg.model)
@@ -198,7 +203,10 @@ def build(
     # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16 and device.type == "cuda")
     peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
-    return TrainSetup(model, train_model, optimizer, scaler, device, dtype, grad_accum, peak, peak_source)
+    slow = busy_warning(peak, dtype) if device.type == "cpu" and not cfg.train.peak_flops else None
+    return TrainSetup(
+        model, train_model, optimizer, scaler, device, dtype, grad_accum, peak, peak_source, (slow,) if slow else ()
+    )
 
 
 def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> str:
@@ -214,5 +222,5 @@ def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> s
         f"{threads}\n"
         f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
         f"{world} process{'es' if world > 1 else ''} x {s.grad_accum} accumulation | "
-        f"MFU against {format_flops(s.peak_flops)} ({s.peak_source})"
+        f"MFU against {format_flops(s.peak_flops)} ({s.peak_source})" + "".join(f"\n{note}" for note in s.notes)
     )

@@ -1,0 +1,52 @@
+"""CPU threads per process, and a warning when the cores are too busy to train at their speed."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Below this many matmul FLOP/s per thread a core is shared or throttled: an idle x86-64 or ARMv8 core of the last
+# decade sustains several times more (this workplace's 2-core hosts measured 58-143 GFLOP/s a core in fp32).
+BUSY_FLOPS_PER_THREAD = 10e9
+
+
+def use_threads(requested: int) -> None:
+    """Set this process's CPU threads to `requested` (train.threads, --threads; 0 leaves torch's count)."""
+    if requested:
+        torch.set_num_threads(requested)
+
+
+def sustained_matmul_flops(threads: int, dtype: torch.dtype, n: int = 512, seconds: float = 0.25) -> float:
+    """FLOP/s of back-to-back `n`-square matmuls on `threads` threads for `seconds` (contention shows in the total,
+    where the fastest single matmul would hide it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)  # leave the training RNG alone
+        a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            a @ b
+            count += 1
+        return 2 * n**3 * count / elapsed
+    finally:
+        torch.set_num_threads(before)
+
+
+def busy_warning(peak: float, dtype: torch.dtype) -> str | None:
+    """A line when the measured matmul peak is far below what this process's idle threads give (and, with several
+    threads, how one compares, since on busy cores each parallel op waits for its slowest thread), else None."""
+    threads = torch.get_num_threads()
+    if peak <= 0 or peak >= BUSY_FLOPS_PER_THREAD * threads:
+        return None
+    advice = "a quieter machine"
+    if threads > 1:
+        ratio = sustained_matmul_flops(1, dtype) / sustained_matmul_flops(threads, dtype)
+        advice = f"train.threads=1 (one thread ran matmuls {ratio:.2f}x as fast as {threads}), or a quieter machine"
+    return (
+        f"warning: matmuls ran at {peak / 1e9:.0f} GFLOP/s on {threads} thread{'s' if threads > 1 else ''}, far "
+        f"below an idle core's (over {BUSY_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s each): the machine is busy or "
+        f"throttled, so training will be slow; try {advice}"
+    )
