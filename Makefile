@@ -5,23 +5,33 @@ BIN    := $(VENV)/bin
 # The CPU wheel is pinned: an unpinned `torch` pulls several GB of CUDA packages. GPU users install
 # their CUDA build of torch into .venv first; an importable torch is kept as it is.
 TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.installed
+# `make demo` installs the core package only; `make test` adds the dev extra (test tools and every optional library).
+CORE   := $(VENV)/.core
+DEV    := $(VENV)/.dev
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
-	touch $@
+$(CORE): pyproject.toml
+	@test -x $(BIN)/python || { echo "== creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@$(BIN)/python -c "import torch" 2>/dev/null || { \
+		echo "== installing $(TORCH) (the CPU wheel, about 200 MB; GPU users install their CUDA torch into $(VENV) first)"; \
+		$(BIN)/pip install --progress-bar on "$(TORCH)"; }
+	@echo "== installing gptforge and its core dependencies (numpy, tokenizers, tiktoken, matplotlib, ...)"
+	$(BIN)/pip install --progress-bar on -e .
+	@touch $@
 
-demo: $(STAMP)
+$(DEV): $(CORE)
+	@echo "== installing the dev extra: pytest, ruff, transformers, datasets, lm_eval, serve, playwright, ... (~2 GB)"
+	$(BIN)/pip install --progress-bar on -e ".[dev]"
+	@touch $@
+
+demo: $(CORE)
 	$(BIN)/gptforge demo --force  # replaces the previous demo run, once the new one is complete
 
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
