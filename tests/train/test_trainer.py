@@ -259,3 +259,13 @@ def test_a_slow_probe_on_several_threads_compares_one_thread():
         assert busy_warning(100e9, torch.float32) is None and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_first_evaluation_is_announced_and_the_first_step_is_printed(data_dir, tmp_path, capsys):
+    train(tiny_cfg(data_dir, "train.max_steps=6", "log.every=5", "eval.every=0"), tmp_path / "r")
+    lines = capsys.readouterr().out.splitlines()
+    announced = next(i for i, line in enumerate(lines) if "evaluating: " in line)
+    assert "validation tokens" in lines[announced] and "| val " in "".join(lines[announced + 1 : announced + 3])
+    printed = [line.split("|")[0].split()[1] for line in lines if line.startswith("step") and "| loss" in line]
+    assert printed == ["1/6", "5/6", "6/6"]
+    assert sum("evaluating: " in line for line in lines) == 1  # the final evaluation is not announced again

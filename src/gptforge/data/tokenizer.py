@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -151,7 +152,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
         vocab_size=vocab_size,
         special_tokens=[EOT_TEXT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=sys.stderr.isatty(),  # its bars: reading the documents, then the merges
     )
     tok.train_from_iterator(texts, trainer)
     atomic_write(out, tok.to_str(pretty=True))

@@ -44,7 +44,7 @@ class Evaluator:
         }
         self.hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
         self.seconds = 0.0
-        """How long the last evaluation took (the time budget plans with the first one's)."""
+        """How long the last evaluation took (the time budget plans with it)."""
 
     def due(self, step: int) -> bool:
         return bool(self.val_loaders) and bool(self.cfg.eval.every) and step % self.cfg.eval.every == 0
@@ -55,6 +55,9 @@ class Evaluator:
             return None
         t = time.perf_counter()
         s, cfg, env = self.setup, self.cfg, self.env
+        if not self.seconds:  # the first one also pays for warm-up: say what the wait is
+            extras = f", {len(self.hellaswag):,} HellaSwag examples" if self.hellaswag else ""
+            print0(env, f"step {step:>6} | evaluating: {cfg.eval.tokens:,} validation tokens{extras}...")
         val = self.validate()
         self.metrics.write("val", step, **val)
         if self.hellaswag:
