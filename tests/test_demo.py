@@ -65,7 +65,7 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
     shorter = [*tiny[:-1], "train.max_steps=30"]
     assert main([*args, "--force"] + [a for kv in shorter for a in ("--set", kv)]) == 0
     printed = capsys.readouterr().out
-    assert "already prepared" in printed and "replaced the previous run" in printed
+    assert "already prepared" in printed and "replaced the previous contents of" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["checkpoint"] == str(out / "checkpoints" / "step_000030")
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000030"]

@@ -22,6 +22,7 @@ from gptforge.data.sources import stdlib_documents
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
+from gptforge.runtime import dtype_name
 from gptforge.runtime.device import autocast, resolve_device
 from gptforge.runtime.distributed import SINGLE
 from gptforge.runtime.flops import Utilisation, format_flops, format_mfu
@@ -48,7 +49,7 @@ def _time_interleaved(
     for _ in range(steps):
         for name, step in candidates.items():
             t = time.perf_counter()
-            step().item()  # the loss, as the trainer's one host sync per step
+            step().item()  # the loss, read back as the trainer does every step
             _sync(device)
             times[name].append(time.perf_counter() - t)
     return times
@@ -88,7 +89,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 3, reference: bool = T
     result: dict[str, Any] = {
         "settings": {
             "device": str(device),
-            "dtype": str(dtype)[6:],
+            "dtype": dtype_name(dtype),
             "compile": cfg.train.compile,
             "fused_loss": cfg.model.fused_loss,
             "micro_batch": B,

@@ -15,10 +15,11 @@ from pathlib import Path
 from gptforge import __version__
 from gptforge.errors import GptforgeError
 from gptforge.files import to_json
+from gptforge.runtime import DTYPE_NAMES
 from gptforge.runtime.allocator import keep_freed_memory
 
 PACKAGE = str(Path(__file__).parent)
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
 THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
 FORCE_HELP = "replace a non-empty --out folder (the old one is removed only once the new one is complete)"
@@ -90,20 +91,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     result = evaluate_checkpoint(
         args.checkpoint,
-        args.data,
-        args.text,
-        args.hellaswag,
-        args.limit,
-        args.tokens,
-        args.batch_size,
-        args.device,
-        args.humaneval,
-        args.samples,
-        args.k,
-        args.temperature,
-        args.dtype,
-        args.lm_eval,
-        args.include_path,
+        data=args.data,
+        text=args.text,
+        hellaswag=args.hellaswag,
+        limit=args.limit,
+        max_tokens=args.tokens,
+        batch_size=args.batch_size,
+        device_name=args.device,
+        humaneval=args.humaneval,
+        samples=args.samples,
+        ks=args.k,
+        temperature=args.temperature,
+        dtype=args.dtype,
+        lm_eval=args.lm_eval,
+        include_path=args.include_path,
     )
     print(to_json(result) if args.json else format_results(result))
 
@@ -195,18 +196,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
 
     limits = Limits(
-        args.max_tokens,
-        args.max_n,
+        max_tokens=args.max_tokens,
+        max_n=args.max_n,
         queue=args.queue,
         request_timeout=args.request_timeout,
         read_timeout=args.read_timeout,
     )
     serve(
         args.path,
-        args.host,
-        args.port,
-        args.api_key,
-        limits,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        limits=limits,
         cors=tuple(args.cors),
         device=args.device,
         dtype=args.dtype,
@@ -336,7 +337,7 @@ def _add_data_commands(sub) -> None:
         default="runs/train",
         help="run folder (default: runs/train): new or empty, or this run's with --resume",
     )
-    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
+    _add_set_flag(s)
     s.add_argument(
         "--resume",
         metavar="auto|PATH",
@@ -344,6 +345,20 @@ def _add_data_commands(sub) -> None:
     )
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=cmd_train)
+
+
+def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    s.add_argument("--threads", type=_at_least(1), help=threads_help)
+
+
+def _add_set_flag(s: argparse.ArgumentParser, help: str = "override an option") -> None:
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def _add_force_flag(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
 
 
 def _add_checkpoint_commands(sub) -> None:
@@ -371,9 +386,7 @@ def _add_checkpoint_commands(sub) -> None:
     )
     s.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
     s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
-    s.add_argument("--device", default="auto")
-    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    s.add_argument("--threads", type=_at_least(1), help=THREADS_HELP)
+    _add_compute_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_eval)
 
@@ -387,9 +400,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
     s.add_argument("--seed", type=_seed, default=0, help="random seed, in [0, 2**63) (default 0)")
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
-    s.add_argument("--device", default="auto")
-    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    s.add_argument("--threads", type=_at_least(1), help=THREADS_HELP)
+    _add_compute_flags(s)
     s.set_defaults(func=cmd_sample)
 
     s = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee)")
@@ -398,13 +409,13 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
     s.add_argument("--branch", help="branch to push to (default: the run folder's name)")
     s.add_argument("--message", help="commit message (default: 'step N')")
-    s.add_argument("--force", action="store_true", help=FORCE_HELP)
+    _add_force_flag(s)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("import", help="turn a Hugging Face GPT-2/Llama/Qwen3/Arcee folder into a gptforge checkpoint")
     s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
-    s.add_argument("--force", action="store_true", help=FORCE_HELP)
+    _add_force_flag(s)
     s.set_defaults(func=cmd_import)
 
 
@@ -417,7 +428,7 @@ def _add_run_commands(sub) -> None:
 
     s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")
     s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
-    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
+    _add_set_flag(s)
     s.add_argument("--steps", type=_at_least(1), default=10, help="timed optimizer steps (median reported; default 10)")
     s.add_argument("--warmup", type=_at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
     s.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
@@ -435,8 +446,8 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--out", default="runs/speedrun", help="folder for the runs, plot and JSON (default: runs/speedrun)")
     s.add_argument("--gpt2-config", default="demo-cpu", help="the baseline recipe's preset (default: demo-cpu)")
     s.add_argument("--modern-config", default="modern-cpu", help="the modern recipe's preset (default: modern-cpu)")
-    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, both recipes")
-    s.add_argument("--force", action="store_true", help=FORCE_HELP)
+    _add_set_flag(s, "override, both recipes")
+    _add_force_flag(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_speedrun)
 
@@ -447,8 +458,8 @@ def _add_run_commands(sub) -> None:
     s.add_argument(
         "--time-budget", type=_at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
     )
-    s.add_argument("--force", action="store_true", help=FORCE_HELP)
-    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override an option")
+    _add_force_flag(s)
+    _add_set_flag(s)
     s.set_defaults(func=cmd_demo)
 
 
@@ -482,13 +493,7 @@ def _add_serve_command(sub) -> None:
         metavar="NAME",
         help="answer requests whose Host is NAME too ('*': any); by default only the --host address's names",
     )
-    s.add_argument(
-        "--threads",
-        type=_at_least(1),
-        help=f"{THREADS_HELP}; 1 beside a CPU training run",
-    )
-    s.add_argument("--device", default="auto")
-    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    _add_compute_flags(s, threads_help=f"{THREADS_HELP}; 1 beside a CPU training run")
     s.set_defaults(func=cmd_serve)
 
 

@@ -25,6 +25,7 @@ from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.files import read_text
 from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
+from gptforge.runtime import DTYPE_NAMES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,6 +43,9 @@ class DataConfig:
     in every stretch of training; its val split is scored on its own (val `loss/NAME`, `bpb/NAME`)."""
     shuffle: bool = True
     """Serve training windows in a seeded random order each epoch (else in corpus order)."""
+
+
+SCHEDULES = ("cosine", "wsd", "constant")  # optim.lr_at computes each
 
 
 @dataclass
@@ -255,7 +259,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.beta2": _within(0, 1),
     "optim.eps": _POSITIVE,
     "optim.grad_clip": _at_least(0),
-    "optim.schedule": _one_of("cosine", "wsd", "constant"),
+    "optim.schedule": _one_of(*SCHEDULES),
     "optim.decay_fraction": _within(0, 1, high_ok=True),
     "optim.optimizer": _one_of("adamw", "muon"),
     "optim.muon_lr": _POSITIVE,
@@ -266,7 +270,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.max_steps": _at_least(1),
     "train.time_budget": _at_least(0),
     "train.device": ((lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)), "auto, cpu, cuda, cuda:N or mps"),
-    "train.dtype": _one_of("auto", "float32", "bfloat16", "float16"),
+    "train.dtype": _one_of("auto", *DTYPE_NAMES),
     "train.batch_ramp_tokens": _at_least(0),
     "train.max_skips": _at_least(1),
     "train.dist_timeout": _POSITIVE,

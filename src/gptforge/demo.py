@@ -10,7 +10,7 @@ import torch
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
-from gptforge.files import check_output_dir, is_empty_dir, locked, swap_dir, temp_dir_for, write_json
+from gptforge.files import check_output_dir, locked, replacing_dir, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
 from gptforge.train.trainer import train
@@ -39,13 +39,8 @@ def run_demo(
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir])
     prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
-    with locked(out_dir, "demo"):
-        replacing = not is_empty_dir(out_dir)
-        run_dir = temp_dir_for(out_dir) if replacing else out_dir  # the old run stays until the new one is done
+    with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
         result = train(cfg, run_dir)
-        if replacing:
-            swap_dir(run_dir, out_dir)
-            print(f"demo: replaced the previous run in {out_dir}")
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
 
     before, after, vocab = result.first_val, result.last_val, result.config.model.vocab_size

@@ -123,6 +123,20 @@ def building_dir(final: str | Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
+def replacing_dir(final: Path) -> Iterator[Path]:
+    """Yield `final` itself when it is empty (so a run's progress can be watched there), else a temp folder beside it
+    that replaces it once the work succeeds: what it held stays until then (a failed attempt's folder is left)."""
+    if is_empty_dir(final):
+        final.mkdir(parents=True, exist_ok=True)
+        yield final
+        return
+    tmp = temp_dir_for(final)
+    yield tmp
+    swap_dir(tmp, final)
+    print(f"replaced the previous contents of {final}", flush=True)
+
+
+@contextlib.contextmanager
 def writing(target: Path) -> Iterator[None]:
     """Turn a failed write into one line naming `target`. Libraries that write for us (safetensors, torch.save)
     report a full disk in their own words, so their errors are read as one when the disk has no room left."""

@@ -17,7 +17,7 @@ from gptforge.data.prepare import prepare
 from gptforge.data.shards import read_manifest
 from gptforge.demo import VAL_FRACTION, VOCAB_SIZE
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked, swap_dir, temp_dir_for, write_json
+from gptforge.files import atomic_write, check_output_dir, locked, replacing_dir, write_json
 from gptforge.rundir import finite, read_metrics
 from gptforge.train.trainer import train
 
@@ -94,16 +94,11 @@ def speedrun(
     check_output_dir(out_dir, force, reads=[data_dir])
     if data is None:  # the demo's corpus, prepared once and reused
         prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
-    with locked(out_dir, "speedrun"):
-        replacing = not is_empty_dir(out_dir)
-        work = temp_dir_for(out_dir) if replacing else out_dir  # a previous result stays until this one is done
-        work.mkdir(parents=True, exist_ok=True)
+    with locked(out_dir, "speedrun"), replacing_dir(out_dir) as work:
         first = next(iter(configs.values())).train.seed
         results = [_one_seed(first + i, configs, recipes, budget, work) for i in range(seeds)]
         summary = _summary(results, recipes, budget, data_dir, work)
         write_json(work / "speedrun.json", summary)
-        if replacing:
-            swap_dir(work, out_dir)
     summary["plot"] = str(out_dir / "speedrun.png")
     return summary
 

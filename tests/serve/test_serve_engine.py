@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gptforge.cli import main
-from gptforge.serve.engine import Engine, Job
+from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Started
 from gptforge.serve.protocol import ApiError, Limits, parse_completion
 from gptforge.serve.runs import check_root, find_sources
 from gptforge.serve.text import Continuation
@@ -49,9 +49,9 @@ def test_held_text_is_released_when_the_stop_does_not_follow_and_a_cut_character
     assert text.end("length") == "#" and text.finish_reason == "length" and text.text == "x#y€#"
 
 
-def completion(engine: Engine, body: dict, deadline: float | None = None) -> list[tuple]:
+def completion(engine: Engine, body: dict, deadline: float | None = None) -> list[Event]:
     """Run one request on the calling thread; its events."""
-    events: list[tuple] = []
+    events: list[Event] = []
     engine.admit()
     req = parse_completion({"model": "run", "prompt": "def", **body}, engine.limits)
     engine.work(Job(req, events.append, time.monotonic() + 60 if deadline is None else deadline))
@@ -63,12 +63,12 @@ def test_the_time_limit_ends_every_choice_as_length_and_the_newest_checkpoint_is
     shutil.copytree(runs_dir / "alpha", run, ignore=shutil.ignore_patterns("step_000004"))
     engine = Engine(tmp_path, Limits())
     events = completion(engine, {"max_tokens": 5, "n": 2}, deadline=time.monotonic())
-    assert events == [("start", "step_000002"), ("finish", 0, "length"), ("finish", 1, "length"), events[-1]]
-    assert events[-1][0] == "done" and events[-1][1]["completion_tokens"] == 0
+    assert events == [Started("step_000002"), Finish(0, "length"), Finish(1, "length"), events[-1]]
+    assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 0
 
     shutil.copytree(runs_dir / "alpha" / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
     events = completion(engine, {"max_tokens": 3, "temperature": 0})
-    assert events[0] == ("start", "step_000004") and events[-1][0] == "done" and engine.in_flight == 0
+    assert events[0] == Started("step_000004") and isinstance(events[-1], Done) and engine.in_flight == 0
 
 
 def test_requests_past_the_queue_are_refused_and_errors_carry_openai_fields(runs_dir):
@@ -78,7 +78,7 @@ def test_requests_past_the_queue_are_refused_and_errors_carry_openai_fields(runs
         engine.admit()
     assert caught.value.status == 429 and caught.value.body()["error"]["type"] == "rate_limit_error"
     engine.in_flight = 0
-    error = completion(engine, {"model": "nope"})[-1][1]
+    error = completion(engine, {"model": "nope"})[-1].error
     assert (error.status, error.code) == (404, "model_not_found")
 
 
@@ -166,13 +166,12 @@ def test_a_diverged_checkpoint_is_503_greedy_too_and_a_tiny_temperature_is_greed
     engine = Engine(tmp_path, Limits())
     greedy = completion(engine, {"max_tokens": 6, "temperature": 0, "seed": 1})
     tiny_t = completion(engine, {"max_tokens": 6, "temperature": 1e-40, "seed": 1})
-    assert greedy[-1][0] == "done" and greedy[1:-1] == tiny_t[1:-1]
+    assert isinstance(greedy[-1], Done) and greedy[1:-1] == tiny_t[1:-1]
 
     weights = run / "checkpoints" / "step_000004" / "model.safetensors"
     save_file({k: v.fill_(float("nan")) for k, v in load_file(weights).items()}, weights)
     engine = Engine(tmp_path, Limits())
     for temperature in (0, 0.8):
-        (kind, error), *_ = [
-            e for e in completion(engine, {"max_tokens": 4, "temperature": temperature}) if e[0] != "start"
-        ]
-        assert kind == "error" and error.status == 503 and "diverged" in error.message
+        events = completion(engine, {"max_tokens": 4, "temperature": temperature})
+        failed = [e for e in events if not isinstance(e, Started)][0]
+        assert isinstance(failed, Failed) and failed.error.status == 503 and "diverged" in failed.error.message

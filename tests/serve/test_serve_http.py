@@ -15,7 +15,7 @@ import pytest
 from tests.serve.server import server_process, serving
 
 from gptforge.errors import GptforgeError
-from gptforge.serve.engine import Engine, Job
+from gptforge.serve.engine import Engine, Failed, Job
 from gptforge.serve.protocol import Limits, parse_completion
 
 testclient = pytest.importorskip("starlette.testclient")
@@ -228,5 +228,5 @@ def test_a_request_still_waiting_at_shutdown_is_answered_503(runs_dir):
     engine.work(
         Job(parse_completion({"model": "alpha", "prompt": "def"}, engine.limits), events.append, time.monotonic() + 60)
     )
-    assert [(e[0], e[1].status, e[1].code) for e in events] == [("error", 503, "server_shutting_down")]
+    assert [(type(e), e.error.status, e.error.code) for e in events] == [(Failed, 503, "server_shutting_down")]
     assert engine.in_flight == 0

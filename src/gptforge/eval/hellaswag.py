@@ -21,7 +21,6 @@ from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
 
 GPT2_124M_ACC_NORM = 0.2955  # OpenAI GPT-2 124M, acc_norm_token (build-nanogpt, llm.c)
-GPT2_124M_LM_EVAL_ACC_NORM = 0.3114  # the same model's per-character acc_norm in lm-evaluation-harness
 GPT3_125M_ACC_NORM = 0.337  # GPT-3 Small, zero-shot (GPT-3 paper, table 3.4)
 
 

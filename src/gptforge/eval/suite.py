@@ -17,6 +17,7 @@ from gptforge.eval.loss import evaluate_loss, format_loss
 
 def evaluate_checkpoint(
     checkpoint: str,
+    *,
     data: str | None = None,
     text: str | None = None,
     hellaswag: str | None = None,

@@ -20,8 +20,9 @@ from gptforge.config import RULES
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.files import read_text
 from gptforge.model.gpt import GPTConfig
+from gptforge.runtime.device import DTYPES
 
-FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FLOAT_DTYPES = {dtype: name for name, dtype in DTYPES.items()}
 # Buffers older HF checkpoints saved, which the model derives: GPT-2's causal masks, Llama's rotary frequencies.
 DERIVED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 INDEX = "model.safetensors.index.json"

@@ -1,1 +1,8 @@
 """Where code runs: device and precision, glibc allocator tuning, process groups, peak FLOP/s for MFU."""
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # here, not in device.py, so the CLI's flags need no torch import
+
+
+def dtype_name(dtype: object) -> str:
+    """'bfloat16' for torch.bfloat16: the name DTYPE_NAMES, configs and logs use."""
+    return str(dtype).removeprefix("torch.")

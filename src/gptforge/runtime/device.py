@@ -9,9 +9,10 @@ import os
 import torch
 
 from gptforge.errors import GptforgeError
+from gptforge.runtime import DTYPE_NAMES
 from gptforge.runtime.allocator import keep_freed_memory
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def resolve_device(name: str = "auto", flag: str = "train.device") -> torch.device:

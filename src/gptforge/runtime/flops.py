@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from gptforge.runtime import dtype_name
+
 # Dense (no sparsity) tensor-core peaks in TFLOP/s from the vendors' datasheets: (bf16/fp16 with fp32 accumulation,
 # tf32). Matched as substrings of the device name, first match wins: variants come before their family, since an
 # "H100 PCIe" peaks 24% lower than the SXM part that a bare "H100" figure describes.
@@ -45,10 +47,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) 
             if key in name:
                 if dtype == torch.float32:  # matmuls run in tf32 (setup_fast_math allows it)
                     return tf32 * 1e12, f"{key} tf32 dense peak"
-                return half * 1e12, f"{key} {str(dtype)[6:]} dense peak"
+                return half * 1e12, f"{key} {dtype_name(dtype)} dense peak"
         return 0.0, f"unknown GPU {name!r}: set train.peak_flops"
     if device.type == "cpu":
-        return cpu_matmul_flops(dtype), f"measured CPU {str(dtype)[6:]} matmul"
+        return cpu_matmul_flops(dtype), f"measured CPU {dtype_name(dtype)} matmul"
     return 0.0, f"no peak known for {device.type}: set train.peak_flops"
 
 

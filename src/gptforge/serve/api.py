@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from gptforge.files import to_json
-from gptforge.serve.engine import Engine, Event, Job
+from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Text
 from gptforge.serve.protocol import ApiError, CompletionRequest, Limits, choice, completion_object, parse_completion
 
 ROUTES = "gptforge serve answers GET /v1/models and POST /v1/completions"
@@ -58,18 +58,18 @@ def routes(engine: Engine) -> list[Route]:
             req = parse_completion(await _json_body(request, engine.limits), engine.limits)
             events = _events(engine, req, request)
             first = await anext(events)  # the model loaded and the prompts fit, or the error to answer with
-            if first[0] == "error":
-                raise first[1]
+            if isinstance(first, Failed):
+                raise first.error
         except ApiError as e:
             if events is not None:
                 await events.aclose()
             return error_response(e)
         rid = f"cmpl-{secrets.token_hex(12)}"
         if req.stream:
-            chunks = _sse(events, req, rid, first[1])
+            chunks = _sse(events, req, rid, first.fingerprint)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            return JSONResponse(await _gather(events, req, rid, first[1]))
+            return JSONResponse(await _gather(events, req, rid, first.fingerprint))
         except ApiError as e:
             return error_response(e)
 
@@ -133,7 +133,7 @@ async def _events(engine: Engine, req: CompletionRequest, request: Request) -> A
         while True:
             event = await queue.get()
             yield event
-            if event[0] in ("done", "error"):
+            if isinstance(event, (Done, Failed)):
                 return
     finally:
         job.cancel.set()
@@ -145,7 +145,7 @@ async def _watch_disconnect(request: Request, cancel: threading.Event, queue: as
     while (await request.receive())["type"] != "http.disconnect":
         pass
     cancel.set()
-    queue.put_nowait(("error", ApiError(499, "the client went away", None, "client_disconnected")))
+    queue.put_nowait(Failed(ApiError(499, "the client went away", None, "client_disconnected")))
 
 
 async def _gather(events: AsyncIterator[Event], req: CompletionRequest, rid: str, fingerprint: str) -> dict:
@@ -153,15 +153,15 @@ async def _gather(events: AsyncIterator[Event], req: CompletionRequest, rid: str
     reasons: list[str | None] = [None] * len(texts)
     try:
         async for event in events:
-            if event[0] == "text":
-                texts[event[1]] += event[2]
-            elif event[0] == "finish":
-                reasons[event[1]] = event[2]
-            elif event[0] == "error":
-                raise event[1]
-            elif event[0] == "done":
+            if isinstance(event, Text):
+                texts[event.index] += event.piece
+            elif isinstance(event, Finish):
+                reasons[event.index] = event.reason
+            elif isinstance(event, Failed):
+                raise event.error
+            elif isinstance(event, Done):
                 choices = [choice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
-                return completion_object(rid, req.model, fingerprint, choices, event[1])
+                return completion_object(rid, req.model, fingerprint, choices, event.usage)
     finally:
         await events.aclose()
     raise AssertionError("the worker ended without 'done' or 'error'")
@@ -173,18 +173,21 @@ async def _sse(events: AsyncIterator[Event], req: CompletionRequest, rid: str, f
     def data(obj) -> str:
         return f"data: {obj if isinstance(obj, str) else to_json(obj)}\n\n"
 
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        return data(completion_object(rid, req.model, fingerprint, choices, usage))
+
     try:
         async for event in events:
-            if event[0] == "text":
-                yield data(completion_object(rid, req.model, fingerprint, [choice(event[1], event[2], None)], None))
-            elif event[0] == "finish":
-                yield data(completion_object(rid, req.model, fingerprint, [choice(event[1], "", event[2])], None))
-            elif event[0] == "error":  # the status line is sent already: the error goes in the stream
-                yield data(event[1].body())
+            if isinstance(event, Text):
+                yield chunk([choice(event.index, event.piece, None)])
+            elif isinstance(event, Finish):
+                yield chunk([choice(event.index, "", event.reason)])
+            elif isinstance(event, Failed):  # the status line is sent already: the error goes in the stream
+                yield data(event.error.body())
                 return
-            elif event[0] == "done":
+            elif isinstance(event, Done):
                 if req.include_usage:
-                    yield data(completion_object(rid, req.model, fingerprint, [], event[1]))
+                    yield chunk([], event.usage)
                 yield data("[DONE]")
     finally:
         await events.aclose()

@@ -193,6 +193,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(
     path: str,
+    *,
     host: str,
     port: int,
     api_key: str | None,

@@ -23,9 +23,40 @@ from gptforge.serve.protocol import ApiError, CompletionRequest, Limits
 from gptforge.serve.runs import FolderGone, find_sources
 from gptforge.serve.text import Continuation
 
-# What the worker reports, in order: ("start", fingerprint), then ("text", index, piece) and
-# ("finish", index, reason) per choice, then ("done", usage); or ("error", ApiError) instead of all that.
-Event = tuple
+
+@dataclass(frozen=True)
+class Started:
+    """The model is loaded and the prompts fit: the first event of a request that generates."""
+
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Text:
+    index: int
+    piece: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    usage: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Instead of all the others, or after some of them when generation fails midway."""
+
+    error: ApiError
+
+
+# What the worker reports, in order: Started, then Text and Finish per choice, then Done; or Failed.
+Event = Started | Text | Finish | Done | Failed
 KEEP_MODELS = 2  # loaded checkpoints kept, newest use first (a page switching between two runs reloads nothing)
 
 
@@ -42,9 +73,9 @@ class Job:
         """Report choice `index` after `token` (or its end for `reason`): its new text, then its finish if it ended."""
         piece = text.add(token) if reason is None else text.end(reason)
         if piece:
-            self.emit(("text", index, piece))
+            self.emit(Text(index, piece))
         if text.finish_reason is not None:
-            self.emit(("finish", index, text.finish_reason))
+            self.emit(Finish(index, text.finish_reason))
 
 
 class Engine:
@@ -84,14 +115,14 @@ class Engine:
                 usage = None if job.cancel.is_set() else self._generate(job)
             finally:
                 self._model_lock.release()
-            last = ("done", usage) if usage else None
+            last = Done(usage) if usage else None
         except ApiError as e:
-            last = ("error", e)
+            last = Failed(e)
         except GptforgeError as e:  # a damaged checkpoint, a diverged model: the server is fine, this model is not
-            last = ("error", ApiError(503, str(e), None, "model_unavailable"))
+            last = Failed(ApiError(503, str(e), None, "model_unavailable"))
         except Exception:  # noqa: BLE001 - a bug must not take the worker's slot with it
             traceback.print_exc()
-            last = ("error", ApiError(500, "internal error in gptforge serve (its log has the traceback)"))
+            last = Failed(ApiError(500, "internal error in gptforge serve (its log has the traceback)"))
         finally:
             with self._count_lock:  # before the last event: a client that has its answer finds the slot free
                 self.in_flight -= 1
@@ -103,7 +134,7 @@ class Engine:
         req = job.req
         ckpt, run = self.model(req.model)
         prompts = [self._encode(run, p) for p in req.prompts]
-        job.emit(("start", ckpt.name))
+        job.emit(Started(ckpt.name))
         seed = secrets.randbits(63) if req.seed is None else req.seed % 2**63
         g = torch.Generator(device=run.device).manual_seed(seed)
         generated = 0
@@ -124,7 +155,7 @@ class Engine:
         texts = [Continuation(tok, req.stop) for _ in range(req.n)]
         if req.echo:
             for j in range(req.n):
-                job.emit(("text", first + j, tok.decode(ids)))
+                job.emit(Text(first + j, tok.decode(ids)))
         steps = stream(run.model, ids, req.max_tokens, req.n, req.temperature, req.top_k, req.top_p, tok.eot, g)
         while not job.cancel.is_set() and not self.stopping.is_set() and time.monotonic() < job.deadline:
             with autocast(run.device, run.dtype):  # around the model only

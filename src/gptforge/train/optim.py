@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gptforge.config import OptimConfig
+from gptforge.config import SCHEDULES, OptimConfig
 from gptforge.errors import GptforgeError
 from gptforge.train.muon import Muon
 
@@ -100,9 +100,6 @@ def wsd_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps
         return max_lr
     progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
     return max_lr + progress * (min_lr - max_lr)
-
-
-SCHEDULES = ("cosine", "wsd", "constant")
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -22,6 +22,7 @@ from gptforge.data.shards import fingerprint, read_manifest
 from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.runtime import dtype_name
 from gptforge.runtime.device import DTYPES, physical_memory, resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
@@ -137,7 +138,7 @@ def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_fr
     if cfg.train.dtype != "auto":
         return cfg
     saved = read_meta(resume_from)["config"]["train"].get("dtype", "auto") if resume_from else "auto"
-    name = saved if saved != "auto" else str(resolve_dtype("auto", device))[6:]  # "torch.float32" -> "float32"
+    name = saved if saved != "auto" else dtype_name(resolve_dtype("auto", device))
     if device.type == "cpu" and env.distributed:
         name = list(DTYPES)[broadcast_int(list(DTYPES).index(name), env, device)]
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
@@ -218,7 +219,7 @@ def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> s
     return (
         f"model: {s.model.num_params():,} parameters, {s.model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
         f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, context {T}, vocab {cfg.model.vocab_size} "
-        f"({tokenizer_name}) | {world} x {s.device} {str(s.dtype)[6:]}{' compiled' if cfg.train.compile else ''}"
+        f"({tokenizer_name}) | {world} x {s.device} {dtype_name(s.dtype)}{' compiled' if cfg.train.compile else ''}"
         f"{threads}\n"
         f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
         f"{world} process{'es' if world > 1 else ''} x {s.grad_accum} accumulation | "

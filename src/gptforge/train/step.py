@@ -45,7 +45,8 @@ def train_step(
     clip = grad_clip if grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
     all_reduce_mean(loss_accum, env)
-    finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss_accum))  # the one host sync per step
+    # The step's wait for the device: the loss and norm the trainer reads next are ready by then.
+    finite = bool(torch.isfinite(norm) & torch.isfinite(loss_accum))
     if finite:
         scaler.step(optimizer)
     scaler.update()

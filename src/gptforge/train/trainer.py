@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.prefetch import Prefetcher
@@ -54,12 +56,29 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
             StopSignal(env) as stop,
             contextlib.ExitStack() as cleanup,
         ):
-            return _train(cfg, Path(run_dir), resume, env, resolve_device(device_name), stop, cleanup)
+            return _train(
+                cfg,
+                Path(run_dir),
+                resume=resume,
+                env=env,
+                device=resolve_device(device_name),
+                stop=stop,
+                cleanup=cleanup,
+            )
     finally:
         distributed.cleanup()
 
 
-def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
+def _train(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: str | None,
+    env: distributed.DistEnv,
+    device: torch.device,
+    stop: StopSignal,
+    cleanup: contextlib.ExitStack,
+) -> TrainResult:
     t_start = time.perf_counter()
     print0 = functools.partial(distributed.print0, env)
     data = open_data(cfg)
@@ -98,27 +117,19 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
         )
         step_tokens = accum * B * T * world
         state.advance(applied, step_tokens)
-        loss_value, norm_value, now = loss.item(), float(norm), time.perf_counter()
-        dt, elapsed = now - t0, spent + now - t_start
-        state.seconds = elapsed
-        if not applied:
-            print0(f"step {state.step}: non-finite loss or gradient ({loss_value}, norm {norm_value}): update skipped")
-            state.check_skips(cfg.train.max_skips, checkpointer.last_good)
-        state.max_steps = budget.plan(state.step, state.max_steps, now, elapsed)
-
+        now = time.perf_counter()
+        dt, state.seconds = now - t0, spent + now - t_start
         mfu = utilisation(s.model.flops_per_token(T) * step_tokens / dt / world)
-        metrics.write(
-            "train", state.step, loss=loss_value, lr=lr, grad_norm=norm_value, ms=dt * 1000, tokens=state.tokens,
-            tokens_per_s=step_tokens / dt, mfu=mfu, skipped=state.skipped, **loader.progress(batches.state_dict()),
-        )  # fmt: skip
+        stats = StepStats(loss.item(), lr, float(norm), dt * 1000, step_tokens / dt, mfu)
+        if not applied:
+            print0(f"step {state.step}: non-finite loss or gradient ({stats.loss}, norm {stats.grad_norm}): skipped")
+            state.check_skips(cfg.train.max_skips, checkpointer.last_good)
+        state.max_steps = budget.plan(state.step, state.max_steps, now, state.seconds)
+        progress = loader.progress(batches.state_dict())
+        metrics.write("train", state.step, **asdict(stats), tokens=state.tokens, skipped=state.skipped, **progress)
         if state.step % max(1, cfg.log.every) == 0 or state.step in (step_loop + 1, state.max_steps):
-            eta = (time.perf_counter() - t_loop) / (state.step - step_loop) * (state.max_steps - state.step)
-            calibrating = budget.calibrating(state.step)
-            print0(
-                f"step {state.step:>6}/{'?' if calibrating else state.max_steps} | loss {loss_value:.4f} | "
-                f"lr {lr:.2e} | norm {norm_value:.2f} | {dt * 1000:.0f} ms | {step_tokens / dt:,.0f} tok/s | "
-                f"MFU {format_mfu(mfu)} | ETA {'calibrating' if calibrating else format_duration(eta)}",
-            )
+            pace = (time.perf_counter() - t_loop) / (state.step - step_loop)
+            print0(_step_line(state, budget, pace, stats))
         if state.step < state.max_steps and evaluate.due(state.step):
             last_val = evaluate(state.step)
             budget.evaluated(evaluate.seconds)
@@ -126,7 +137,7 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
             checkpointer.save(state, batches)
             budget.saved(checkpointer.seconds)
         # Every rank must leave the loop at the same step.
-        why = budget.stop_vote(stop, elapsed)
+        why = budget.stop_vote(stop, state.seconds)
         if state.step < state.max_steps and why:
             print0(f"stopping at step {state.step} of {state.max_steps} on {why}: saving a checkpoint")
             break
@@ -138,7 +149,32 @@ def _train(cfg, run_dir, resume, env, device, stop, cleanup) -> TrainResult:
     return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
 
 
-def _claim(run_dir: Path, resume: str | None, data: list[str], env: distributed.DistEnv, cleanup) -> Path | None:
+@dataclass
+class StepStats:
+    """What a step logs (metrics.jsonl's train records) and prints."""
+
+    loss: float
+    lr: float
+    grad_norm: float
+    ms: float
+    tokens_per_s: float
+    mfu: float | None
+
+
+def _step_line(state: TrainState, budget: TimeBudget, pace: float, stats: StepStats) -> str:
+    """A step's progress line; its step count and ETA read '?' and 'calibrating' until the time budget plans them."""
+    planned = not budget.calibrating(state.step)
+    eta = format_duration(pace * (state.max_steps - state.step)) if planned else "calibrating"
+    return (
+        f"step {state.step:>6}/{state.max_steps if planned else '?'} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "
+        f"norm {stats.grad_norm:.2f} | {stats.ms:.0f} ms | {stats.tokens_per_s:,.0f} tok/s | "
+        f"MFU {format_mfu(stats.mfu)} | ETA {eta}"
+    )
+
+
+def _claim(
+    run_dir: Path, resume: str | None, data: list[str], env: distributed.DistEnv, cleanup: contextlib.ExitStack
+) -> Path | None:
     """Refuse a folder that is not this run's, then lock it for the run's life (rank 0); the checkpoint to resume."""
     resume_from = find_resume(run_dir, resume)
     claim_run_dir(run_dir, resume_from, data)  # before the lock creates anything
