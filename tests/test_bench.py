@@ -102,6 +102,7 @@ def test_mfu_over_100_percent_reprobes_a_cpu_peak_and_never_prints_nonsense(monk
     # The machine was busy at the first probe: the second finds more. A fourth probe would raise StopIteration.
     probes = iter([2e11, 1e11, 1e11])
     monkeypatch.setattr(flops, "cpu_matmul_flops", lambda dtype: next(probes))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the busy floor is per thread
     mfu = flops.Utilisation(5e10, torch.device("cpu"), torch.float32)
     assert mfu(2.5e10) == 0.5  # below the probed peak: no re-probe
     assert mfu(1e11) == 0.5 and mfu.peak == 2e11  # beat it: probed again, the higher peak kept
@@ -109,3 +110,5 @@ def test_mfu_over_100_percent_reprobes_a_cpu_peak_and_never_prints_nonsense(monk
     assert flops.format_mfu(None) == "n/a" and flops.format_mfu(0.256) == "25.6%"
     assert flops.format_flops(4.2e10) == "42 GFLOP/s" and flops.format_flops(9.894e14) == "989.4 TFLOP/s"
     assert flops.Utilisation(0.0, torch.device("cpu"), torch.float32)(1e9) is None  # unknown peak
+    # A peak far below an idle core's was slowed by load: no step is measured against it.
+    assert flops.Utilisation(5e9, torch.device("cpu"), torch.float32)(2.5e9) is None

@@ -54,6 +54,13 @@ def test_time_to_a_quality_equal_to_an_evaluation_is_that_evaluation_s_time():
     result = compare({"gpt2": base, "modern": c}, "gpt2", "modern")
     assert result["time_to_baseline_final"] == pytest.approx(10.0) and result["time_share"] == pytest.approx(0.5)
     assert result["lower_at_equal_time"] and result["modern"]["final_bpb"] == 1.0
+    # Two evaluations locate no crossing: no time share, no verdict, and the count is said.
+    short = compare({"gpt2": Curve([0.0, 20.0], [3.0, 2.0], 20), "modern": c}, "gpt2", "modern")
+    assert short["time_share"] is None and short["lower_at_equal_time"] is None
+    assert short["too_few_evaluations"] == {"gpt2": 2}
+    summary = {"recipes": {"gpt2": "", "modern": ""}, "seeds": [{**short, "seed": 0}], "median_time_share": None}
+    summary.update(lower_at_equal_time_every_seed=False, too_few_evaluations={0: {"gpt2": 2}}, plot="p.png")
+    assert "no conclusion from seed 0: too few evaluations (gpt2 2; at least 3 a run)" in format_summary(summary)
 
 
 @pytest.fixture(scope="module")

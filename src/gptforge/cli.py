@@ -162,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_plot(args: argparse.Namespace) -> None:
     from gptforge.report.plot import plot_runs
 
-    print(f"wrote {plot_runs(args.run_dirs, args.out)[0]}")
+    print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:

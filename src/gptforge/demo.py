@@ -59,7 +59,7 @@ def run_demo(
         completions.append(prompt + tok.decode(new))
         print(f"--- {prompt.splitlines()[0]}\n{completions[-1]}\n")
 
-    plot, _ = plot_runs([out_dir])
+    plot = plot_runs([out_dir]).path
     summary = {
         "before": before,
         "after": after,

@@ -22,6 +22,8 @@ from gptforge.rundir import finite, read_metrics
 from gptforge.train.trainer import train
 
 # What every run of a speedrun shares: an evaluation every 5 steps on the same validation tokens, nothing else.
+# Fewer evaluations than this per run (the first, one between, the last) locate no crossing worth reporting.
+MIN_EVALUATIONS = 3
 SHARED = ["eval.every=5", "eval.tokens=32768", "eval.sample_tokens=0", "eval.hellaswag=", "checkpoint.every=0"]
 
 
@@ -66,11 +68,13 @@ def compare(curves: dict[str, Curve], baseline: str, candidate: str) -> dict:
     """One seed's result: each recipe's final bpb and training time, and when the candidate reached the baseline's
     final bpb (its share of the baseline's time: the speed-up in time to quality is its inverse)."""
     base, cand = curves[baseline], curves[candidate]
-    reached = cand.time_to(base.final)
     out = {name: {"final_bpb": c.final, "seconds": c.seconds[-1], "steps": c.steps} for name, c in curves.items()}
+    out["too_few_evaluations"] = {n: len(c.bpb) for n, c in curves.items() if len(c.bpb) < MIN_EVALUATIONS}
+    conclusive = not out["too_few_evaluations"]
+    reached = cand.time_to(base.final) if conclusive else None
     out["time_to_baseline_final"] = reached
     out["time_share"] = None if reached is None else reached / base.seconds[-1]
-    out["lower_at_equal_time"] = cand.final < base.final
+    out["lower_at_equal_time"] = cand.final < base.final if conclusive else None
     return out
 
 
@@ -123,6 +127,7 @@ def _summary(results: list[dict], recipes: dict[str, str], budget: float, data_d
         "seeds": results,
         "median_time_share": statistics.median(shares) if None not in shares else None,
         "lower_at_equal_time_every_seed": all(r["lower_at_equal_time"] for r in results),
+        "too_few_evaluations": {r["seed"]: r["too_few_evaluations"] for r in results if r["too_few_evaluations"]},
     }
     plot_curves({name: [read_curve(work / f"{name}-seed{r['seed']}") for r in results] for name in recipes},
                 work / "speedrun.png")  # fmt: skip
@@ -171,5 +176,11 @@ def format_summary(summary: dict) -> str:
         f"median time to {base}'s quality: {'n/a' if share is None else f'{share:.0%} ({1 / share:.2f}x faster)'}; "
         f"{cand} lower at equal time on every seed: {'yes' if summary['lower_at_equal_time_every_seed'] else 'no'}"
     )
+    for seed, few in summary.get("too_few_evaluations", {}).items():
+        counts = ", ".join(f"{name} {n}" for name, n in few.items())
+        lines.append(
+            f"no conclusion from seed {seed}: too few evaluations ({counts}; at least {MIN_EVALUATIONS} a run): "
+            "give a longer --budget"
+        )
     lines.append(f"plot: {summary['plot']}")
     return "\n".join(lines)

@@ -25,9 +25,19 @@ def test_plot_overlays_runs_with_every_panel_and_report(data_dir, tmp_path, caps
             ],
         )
         train(cfg, tmp_path / name)
-    out, panels = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
-    assert panels == list(PANELS) and "HellaSwag acc_norm_token" in panels and "tokens/s" in panels
+    plot = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
+    out = plot.path
+    assert plot.panels == list(PANELS) and "HellaSwag acc_norm_token" in plot.panels and "tokens/s" in plot.panels
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The last evaluation's values are written on the panels, for each run.
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "val"][-1]
+    assert f"val bits per byte: a {last['bpb']:.3f}" in plot.annotations
+    assert sum(a.startswith("HellaSwag acc_norm_token: ") for a in plot.annotations) == 2
+    # Without HellaSwag results there is no HellaSwag panel.
+    train(load_config("tiny", [f"data.path={data_dir}", "train.max_steps=2"]), tmp_path / "c")
+    bare = plot_runs([tmp_path / "c"])
+    assert "HellaSwag acc_norm_token" not in bare.panels and len(bare.panels) == 5
     from PIL import Image
 
     assert Image.open(out).size == (1600, 850)
@@ -104,3 +114,15 @@ def test_a_run_logged_with_the_old_acc_norm_name_still_plots_and_reports(tmp_pat
     assert main(["plot", str(run)]) == 0
     assert main(["report", str(run)]) == 0
     assert "| best HellaSwag acc_norm_token | 0.3750 (step 1, 8 examples) |" in capsys.readouterr().out
+
+
+def test_a_run_whose_mfu_was_never_trustworthy_reports_it_as_not_available(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(
+        run,
+        {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8, "mfu": None},
+        {**TRAIN, "step": 2, "loss": 2.0, "tokens": 16, "mfu": None},  # a peak slowed by load logs null
+    )
+    assert "| mean MFU | n/a (no step had a trustworthy peak to compare with) |" in run_report(run)
+    write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8}, {**TRAIN, "step": 2, "loss": 2.0, "tokens": 16})
+    assert "| mean MFU | 10.0% |" in run_report(run)

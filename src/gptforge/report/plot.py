@@ -1,14 +1,15 @@
 """`gptforge plot`: one PNG of a run's curves, or several runs overlaid for comparison.
 
-Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm_token (per-token mean) with the GPT-2 /
-GPT-3 124M reference lines, learning rate, gradient norm, tokens/s. A run on a mix adds each folder's val loss and
-bits per byte (dotted, one marker per folder) beside the mix's.
+Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm_token (per-token mean, when evaluated) with
+the GPT-2 / GPT-3 124M reference lines, learning rate, gradient norm, tokens/s; steps below, tokens above. A run on
+a mix adds each folder's val loss and bits per byte (dotted, one marker per folder) beside the mix's.
 """
 
 from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptforge.errors import GptforgeError
@@ -17,7 +18,8 @@ from gptforge.files import atomic_write
 from gptforge.rundir import read_metrics, val_sources
 
 SOURCE_MARKERS = "s^vDPX*"
-PANELS = ("loss", "val bits per byte", "HellaSwag acc_norm_token", "learning rate", "grad norm (pre-clip)", "tokens/s")
+HELLASWAG = "HellaSwag acc_norm_token"
+PANELS = ("loss", "val bits per byte", HELLASWAG, "learning rate", "grad norm (pre-clip)", "tokens/s")
 
 
 def smooth(values: list[float], beta: float = 0.9) -> list[float]:
@@ -43,55 +45,101 @@ def _records(run_dir: Path) -> dict[str, list[dict]]:
     return by_kind
 
 
-def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tuple[Path, list[str]]:
-    """Write the PNG (default: the first run's loss.png) and return it with the titles of its panels."""
+@dataclass
+class Plot:
+    """What `plot_runs` drew: the image, its panels' titles and the final values written on them."""
+
+    path: Path
+    panels: list[str]
+    annotations: list[str] = field(default_factory=list)
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Plot:
+    """Write the PNG (default: the first run's loss.png). The HellaSwag panel is drawn when a run has HellaSwag
+    results; a tokens axis (the first run's) tops each panel; the last evaluation's values are written on it."""
     runs = [(Path(d), _records(Path(d))) for d in run_dirs]
+    panels = [p for p in PANELS if p != HELLASWAG or any(rec["hellaswag"] for _, rec in runs)]
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    ax = dict(zip(PANELS, axes.flat, strict=True))
+    fig, grid = plt.subplots(2, 3, figsize=(16, 8.5))
+    for unused in grid.flat[len(panels) :]:
+        fig.delaxes(unused)
+    ax = dict(zip(panels, grid.flat, strict=False))
+    plot = Plot(Path(out) if out else runs[0][0] / "loss.png", panels)
     for i, (run_dir, rec) in enumerate(runs):
-        color, name = f"C{i}", run_dir.name
-        train, val, hs = rec["train"], rec["val"], rec["hellaswag"]
-        for panel, key in (
-            ("learning rate", "lr"),
-            ("grad norm (pre-clip)", "grad_norm"),
-            ("tokens/s", "tokens_per_s"),
-        ):
-            steps, values = _series(train, key)
-            ax[panel].plot(steps, values if key == "lr" else smooth(values), color=color, label=name)
-        steps, losses = _series(train, "loss")
-        ax["loss"].plot(steps, losses, color=color, alpha=0.2, linewidth=0.7)
-        ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
-        ax["loss"].plot(*_series(val, "loss"), "o--", color=color, markersize=3, label=f"{name} val")
-        ax["val bits per byte"].plot(*_series(val, "bpb"), "o-", color=color, markersize=3, label=name)
-        for j, source in enumerate(val_sources(val)):
-            style = {
-                "color": color,
-                "linestyle": ":",
-                "marker": SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
-                "markersize": 3,
-            }
-            ax["loss"].plot(*_series(val, f"loss/{source}"), **style, label=f"{name} val {source}")
-            ax["val bits per byte"].plot(*_series(val, f"bpb/{source}"), **style, label=f"{name} {source}")
-        ax["HellaSwag acc_norm_token"].plot(*_series(hs, "acc_norm_token"), "o-", color=color, markersize=3, label=name)
-    refs = ax["HellaSwag acc_norm_token"]
-    refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")
-    refs.axhline(GPT3_125M_ACC_NORM, color="black", linestyle=":", label=f"GPT-3 125M ({GPT3_125M_ACC_NORM:.1%})")
-    refs.axhline(0.25, color="lightgray", linewidth=0.8, label="chance (25%)")
+        _draw_run(ax, rec, color=f"C{i}", name=run_dir.name, plot=plot)
+    if HELLASWAG in ax:
+        refs = ax[HELLASWAG]
+        refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")
+        refs.axhline(GPT3_125M_ACC_NORM, color="black", linestyle=":", label=f"GPT-3 125M ({GPT3_125M_ACC_NORM:.1%})")
+        refs.axhline(0.25, color="lightgray", linewidth=0.8, label="chance (25%)")
+    to_tokens = _tokens_axis(runs[0][1]["train"])
     for title, a in ax.items():
         a.set_title(title)
         a.set_xlabel("step")
+        if to_tokens is not None:
+            a.secondary_xaxis("top", functions=to_tokens).set_xlabel(f"tokens ({runs[0][0].name})", fontsize=7)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     ax["loss"].set_ylabel("cross-entropy (nats/token)")
     fig.suptitle(" vs ".join(d.name for d, _ in runs))
     fig.tight_layout()
-    out = Path(out) if out else runs[0][0] / "loss.png"
+    _save(fig, plot.path)
+    plt.close(fig)
+    return plot
+
+
+def _draw_run(ax: dict, rec: dict[str, list[dict]], color: str, name: str, plot: Plot) -> None:
+    """One run's curves on every panel, its final validation values written beside their last points."""
+    train, val, hs = rec["train"], rec["val"], rec["hellaswag"]
+    for panel, key in (("learning rate", "lr"), ("grad norm (pre-clip)", "grad_norm"), ("tokens/s", "tokens_per_s")):
+        steps, values = _series(train, key)
+        ax[panel].plot(steps, values if key == "lr" else smooth(values), color=color, label=name)
+    steps, losses = _series(train, "loss")
+    ax["loss"].plot(steps, losses, color=color, alpha=0.2, linewidth=0.7)
+    ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
+    finals = [
+        ("loss", _series(val, "loss"), f"{name} val", "{:.3f}"),
+        ("val bits per byte", _series(val, "bpb"), name, "{:.3f}"),
+    ]
+    if HELLASWAG in ax:
+        finals.append((HELLASWAG, _series(hs, "acc_norm_token"), name, "{:.2%}"))
+    for panel, (steps, values), label, fmt in finals:
+        ax[panel].plot(steps, values, "o--" if panel == "loss" else "o-", color=color, markersize=3, label=label)
+        if values:
+            text = fmt.format(values[-1])
+            ax[panel].annotate(text, (steps[-1], values[-1]), xytext=(4, 4), textcoords="offset points", color=color)
+            plot.annotations.append(f"{panel}: {label} {text}")
+    for j, source in enumerate(val_sources(val)):
+        style = {"color": color, "linestyle": ":", "marker": SOURCE_MARKERS[j % len(SOURCE_MARKERS)], "markersize": 3}
+        ax["loss"].plot(*_series(val, f"loss/{source}"), **style, label=f"{name} val {source}")
+        ax["val bits per byte"].plot(*_series(val, f"bpb/{source}"), **style, label=f"{name} {source}")
+
+
+def _tokens_axis(train: list[dict]) -> tuple | None:
+    """Step <-> tokens for a secondary axis, from a run's train records (a batch ramp makes it non-linear)."""
+    steps, tokens = _series(train, "tokens")
+    rising = all(b > a for xs in (steps, tokens) for a, b in zip(xs, xs[1:], strict=False))
+    if len(steps) < 2 or not rising:
+        return None
+    import numpy as np
+
+    # Straight on past the ends at the last rate, so the axis margins get ticks too.
+    first, last, far = (
+        (tokens[1] - tokens[0]) / (steps[1] - steps[0]),
+        (tokens[-1] - tokens[-2]) / (steps[-1] - steps[-2]),
+        1e12,
+    )
+    xs = np.array([steps[0] - far, *steps, steps[-1] + far])
+    ys = np.array([tokens[0] - far * first, *tokens, tokens[-1] + far * last])
+    return (lambda s: np.interp(s, xs, ys)), (lambda t: np.interp(t, ys, xs))
+
+
+def _save(fig, out: Path) -> None:
     if out.is_dir():
         raise GptforgeError(f"--out {out}: is a folder (expected an image file name such as loss.png)")
     kind = out.suffix[1:].lower() or "png"
@@ -99,7 +147,5 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> tupl
         raise GptforgeError(f"--out {out}: unknown image format {kind!r} (expected .png, .pdf, .svg, ...)")
     image = io.BytesIO()
     fig.savefig(image, format=kind, dpi=100)
-    plt.close(fig)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, image.getvalue())
-    return out, list(PANELS)

@@ -26,7 +26,7 @@ def run_report(run_dir: str | Path) -> str:
             f"| tokens seen | {train[-1]['tokens']:,} |",
             f"| wall time (train records) | {format_duration(train[-1]['time'] - train[0]['time'])} |",
             f"| mean tokens/s | {_mean(steady, 'tokens_per_s'):,.0f} |",
-            f"| mean MFU | {_mean(steady, 'mfu'):.1%} |",
+            f"| mean MFU | {_percent(_mean(steady, 'mfu'))} |",
             f"| final train loss | {_mean(train[-1:], 'loss'):.4f} |",
             f"| skipped (non-finite) steps | {train[-1].get('skipped', 0)} |",
         ]
@@ -61,6 +61,11 @@ def run_report(run_dir: str | Path) -> str:
 def _number(record: dict, key: str) -> str:
     value = record.get(key)
     return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
+
+def _percent(value: float) -> str:
+    """A share, or why there is none: MFU reads null where the device's peak was unknown or slowed by load."""
+    return "n/a (no step had a trustworthy peak to compare with)" if math.isnan(value) else f"{value:.1%}"
 
 
 def _mean(records: list[dict], key: str) -> float:

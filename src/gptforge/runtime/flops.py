@@ -7,6 +7,7 @@ import time
 import torch
 
 from gptforge.runtime import dtype_name
+from gptforge.runtime.threads import slowed_by_load
 
 # Dense (no sparsity) tensor-core peaks in TFLOP/s from the vendors' datasheets: (bf16/fp16 with fp32 accumulation,
 # tf32). Matched as substrings of the device name, first match wins: variants come before their family, since an
@@ -81,7 +82,8 @@ def format_mfu(mfu: float | None) -> str:
 
 class Utilisation:
     """MFU against a device's peak. A CPU peak probed while the machine was busy is too low: when a step beats it,
-    the probe runs again (a few times at most) and the higher figure stays; what still exceeds it reads None."""
+    the probe runs again (a few times at most) and the higher figure stays; what still exceeds it reads None, and
+    so does every step while the peak is one that load slowed (a figure against it would mean nothing)."""
 
     REPROBES = 3
 
@@ -95,4 +97,4 @@ class Utilisation:
             self.reprobes += 1
             self.peak = max(self.peak, cpu_matmul_flops(self.dtype))
         mfu = flops_per_s / self.peak
-        return mfu if mfu <= 1.0 else None
+        return mfu if mfu <= 1.0 and not (self.device.type == "cpu" and slowed_by_load(self.peak)) else None

@@ -35,11 +35,16 @@ def sustained_matmul_flops(threads: int, dtype: torch.dtype, n: int = 512, secon
         torch.set_num_threads(before)
 
 
+def slowed_by_load(peak: float) -> bool:
+    """Whether a measured CPU matmul peak is far below what this process's threads give on idle cores."""
+    return 0 < peak < BUSY_FLOPS_PER_THREAD * torch.get_num_threads()
+
+
 def busy_warning(peak: float, dtype: torch.dtype) -> str | None:
     """A line when the measured matmul peak is far below what this process's idle threads give (and, with several
     threads, how one compares, since on busy cores each parallel op waits for its slowest thread), else None."""
     threads = torch.get_num_threads()
-    if peak <= 0 or peak >= BUSY_FLOPS_PER_THREAD * threads:
+    if not slowed_by_load(peak):
         return None
     advice = "a quieter machine"
     if threads > 1:
