@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from tests.helpers import lock_held_elsewhere
 
+import gptforge.data.pipeline as pipeline
 from gptforge.data.prepare import prepare
 from gptforge.data.shards import read_manifest, read_shard
 from gptforge.data.tokenizer import load_tokenizer
@@ -121,7 +122,7 @@ def test_crashed_prepare_resumes_and_skips_finished_shards(corpus_dir, tmp_path,
             yield doc
 
     monkeypatch.setattr(prep, "documents", crashing)
-    monkeypatch.setattr(prep, "BATCH_DOCS", 4)  # the 40 documents before the crash make whole batches
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 4)  # the 40 documents before the crash make whole batches
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
     progress = json.loads((tmp_path / "progress.json").read_text())
@@ -209,7 +210,7 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
             yield doc
 
     monkeypatch.setattr(prep, "documents", crashing)
-    monkeypatch.setattr(prep, "BATCH_DOCS", 1)
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 1)
     with pytest.raises(RuntimeError, match="killed"):
         prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1, force=True)
     assert read_manifest(out) == old  # the old data is whole, and still what train reads
@@ -314,7 +315,7 @@ def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(t
             yield doc
 
     monkeypatch.setattr(prep, "documents", interrupted)
-    monkeypatch.setattr(prep, "BATCH_DOCS", 1)
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 1)
     with pytest.raises(RuntimeError, match="killed"):
         prepare(str(src), killed, val_fraction=0, shard_tokens=50, workers=1)
     with pytest.raises(GptforgeError, match=r"killed: holds an unfinished prepare with other settings"):
@@ -324,11 +325,11 @@ def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(t
 def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
     import errno
 
-    import gptforge.data.prepare as prep
+    import gptforge.data.shards as shards
 
     src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
     clean = prepare(str(src), tmp_path / "clean", val_fraction=0, shard_tokens=50, workers=1)
-    real, calls = prep.write_shard, []
+    real, calls = shards.write_shard, []
 
     def full_disk(path, tokens):
         calls.append(path)
@@ -336,15 +337,15 @@ def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, tokens)
 
-    monkeypatch.setattr(prep, "write_shard", full_disk)
-    monkeypatch.setattr(prep, "BATCH_DOCS", 1)
+    monkeypatch.setattr(shards, "write_shard", full_disk)
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 1)
     with pytest.raises(GptforgeError, match=rf"^cannot write {out}: No space left on device; fix that and run"):
         prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)
     progress = json.loads((out / "progress.json").read_text())
     assert [s["file"] for s in progress["shards"]] == ["train_000000.bin", "train_000001.bin"]
     assert sorted(p.name for p in out.iterdir()) == [".lock", "progress.json", "train_000000.bin", "train_000001.bin"]
 
-    monkeypatch.setattr(prep, "write_shard", real)
+    monkeypatch.setattr(shards, "write_shard", real)
     capsys.readouterr()
     assert prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)["shards"] == clean["shards"]
     assert "resuming: 2 shard(s)" in capsys.readouterr().out
@@ -393,6 +394,7 @@ def test_cli_refusals_are_one_line(tmp_path):
 # A background job of a non-interactive shell (CI started with `&`) inherits SIGINT ignored: a terminal's would not.
 ENDLESS_PREPARE = """
 import itertools, signal, sys, time
+import gptforge.data.pipeline as pipeline
 import gptforge.data.prepare as prep
 from gptforge.cli import main
 
@@ -403,7 +405,7 @@ def endless(source, field, **kw):
         time.sleep(0.002)
         yield f"doc{i}", f"document {i} " * 50
 
-prep.documents, prep.BATCH_DOCS = endless, 8
+prep.documents, pipeline.BATCH_DOCS = endless, 8
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -449,9 +451,7 @@ def test_ctrl_c_stops_the_workers_quietly_and_leaves_a_resumable_folder(tmp_path
 
 
 def test_workers_are_capped_at_the_cpu_count(tmp_path, monkeypatch, capsys):
-    import gptforge.data.prepare as prep
-
-    ctx, sizes = prep.mp.get_context("spawn"), []
+    ctx, sizes = pipeline.mp.get_context("spawn"), []
     real_pool = ctx.Pool
 
     def pool(processes, *args):
@@ -459,13 +459,13 @@ def test_workers_are_capped_at_the_cpu_count(tmp_path, monkeypatch, capsys):
         return real_pool(processes, *args)
 
     monkeypatch.setattr(ctx, "Pool", pool)
-    monkeypatch.setattr(prep, "_cpu_count", lambda: 1)
+    monkeypatch.setattr(pipeline, "cpu_count", lambda: 1)
     prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", val_fraction=0, workers=500)
     assert sizes == [1] and "using 1 workers: this machine has 1 CPUs\n" in capsys.readouterr().out
-    monkeypatch.setattr(prep, "_cpu_count", lambda: 2)
-    assert [prep._worker_count(n) for n in (None, 1, 2)] == [2, 1, 2]
+    monkeypatch.setattr(pipeline, "cpu_count", lambda: 2)
+    assert [pipeline.worker_count(n) for n in (None, 1, 2)] == [2, 1, 2]
     assert "using" not in capsys.readouterr().out
-    assert prep._worker_count(3) == 2 and capsys.readouterr().out == "using 2 workers: this machine has 2 CPUs\n"
+    assert pipeline.worker_count(3) == 2 and capsys.readouterr().out == "using 2 workers: this machine has 2 CPUs\n"
 
 
 def test_a_tokenizer_file_inside_out_is_refused_even_with_force(tmp_path):

@@ -2,11 +2,13 @@
 
 import json
 import random
+import shutil
 
 import pytest
 
+import gptforge.data.pipeline as pipeline
 from gptforge.data.loader import TokenLoader
-from gptforge.data.prepare import is_validation, prepare
+from gptforge.data.prepare import is_validation, prepare, summarize
 from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 
@@ -54,6 +56,10 @@ def test_planted_exact_and_near_copies_are_removed_keeping_the_first(tmp_path):
     assert raw["splits"]["train"]["docs"] == 14 and raw["report"]["stages"]["kept"]["docs"] == 14
     exact = prepare(str(src), tmp_path / "exact", val_fraction=0, workers=1, dedup="exact")
     assert exact["splits"]["train"]["docs"] == 13
+    said = summarize(m, tmp_path / "out").splitlines()
+    assert said[2].startswith("removed: exact duplicates 1 (") and ", near duplicates 1 (" in said[2]
+    assert said[2].endswith("of 14 documents read (see report.md)")
+    assert summarize(raw, tmp_path / "raw").splitlines()[2] == "removed: nothing of 14 documents read (see report.md)"
 
 
 def _leaky_names(val_fraction=0.5):
@@ -80,10 +86,9 @@ def test_a_near_copy_is_never_in_the_other_split(tmp_path):
 
 
 def test_the_same_documents_are_kept_whatever_the_worker_count(tmp_path, monkeypatch):
-    import gptforge.data.prepare as prep
 
-    monkeypatch.setattr(prep, "BATCH_DOCS", 2)  # many small batches, finished by the workers in any order
-    monkeypatch.setattr(prep, "_cpu_count", lambda: 3)
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 2)  # many small batches, finished by the workers in any order
+    monkeypatch.setattr(pipeline, "cpu_count", lambda: 3)
     src = _corpus(tmp_path / "src", n=20)
     one = prepare(str(src), tmp_path / "one", val_fraction=0.2, shard_tokens=3000, workers=1)
     three = prepare(str(src), tmp_path / "three", val_fraction=0.2, shard_tokens=3000, workers=3)
@@ -105,7 +110,7 @@ def test_resume_after_a_crash_with_dedup_gives_the_uninterrupted_shards(tmp_path
             yield doc
 
     monkeypatch.setattr(prep, "documents", crashing)
-    monkeypatch.setattr(prep, "BATCH_DOCS", 4)
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 4)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare(str(src), tmp_path / "out", val_fraction=0.2, shard_tokens=1500, workers=1)
     assert json.loads((tmp_path / "out" / "progress.json").read_text())["shards"]
@@ -200,3 +205,18 @@ def test_code_in_any_language_is_read_with_its_language_and_binary_files_are_ski
     assert m["report"]["stages"]["binary skipped"] == {"docs": 1, "bytes": 900}
     only_go = prepare(str(src), tmp_path / "go", val_fraction=0, workers=1, ext="go,json")
     assert set(only_go["report"]["languages"]) == {"Go", "JSON"} and only_go["settings"]["ext"] == [".go", ".json"]
+
+
+def test_a_trained_tokenizer_learns_only_from_the_documents_kept(corpus_dir, tmp_path):
+    base, noisy = tmp_path / "base", tmp_path / "noisy"
+    shutil.copytree(corpus_dir, base)
+    shutil.copytree(corpus_dir, noisy)
+    first = sorted(noisy.glob("*.py"))[1]
+    for i in range(30):  # copies of one file and minified junk: what would skew the merges if it were counted
+        shutil.copy(first, noisy / f"zz_copy_{i:02d}.py")
+        (noisy / f"zz_minified_{i:02d}.py").write_text("x=[" + ",".join(f"q{i}w{j}" for j in range(600)) + "]\n")
+    args = {"val_fraction": 0.1, "workers": 1, "train_tokenizer": 300, "clean": "code"}
+    prepare(str(base), tmp_path / "a", **args)
+    m = prepare(str(noisy), tmp_path / "b", **args)
+    assert m["report"]["stages"]["exact duplicates"]["docs"] == 30 and m["report"]["filters"]
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()

@@ -111,21 +111,25 @@ class Deduplicator:
 
     def check(self, index: int, fp: Fingerprint) -> Verdict | None:
         """The verdict on document `index` (a duplicate of an earlier kept one), or None: kept and remembered."""
-        if self.settings.mode == "none":
-            return None
-        first = self._exact.get(fp.key)
-        if first is not None:
-            return Verdict("exact", first, 1.0)
+        verdict = self.match(fp)
+        if verdict is not None or self.settings.mode == "none":
+            return verdict
         keys = self._band_keys(fp.signature)
-        near = self._nearest(fp.signature, keys)
-        if near is not None:
-            return near
         self._exact[fp.key] = index
         if fp.signature is not None:
             self._signatures[index] = fp.signature
             for key in keys:
                 self._buckets.setdefault(key, []).append(index)
         return None
+
+    def match(self, fp: Fingerprint) -> Verdict | None:
+        """The earliest kept document this one duplicates (exactly, else nearly), without remembering it."""
+        if self.settings.mode == "none":
+            return None
+        first = self._exact.get(fp.key)
+        if first is not None:
+            return Verdict("exact", first, 1.0)
+        return self._nearest(fp.signature, self._band_keys(fp.signature))
 
     def _band_keys(self, sig: np.ndarray | None) -> list[bytes]:
         if sig is None:

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing as mp
-import os
-import signal
-import threading
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
-from gptforge.data.decontaminate import eval_ngrams, is_contaminated
-from gptforge.data.dedup import DEDUP_MODES, Deduplicator, DedupSettings, fingerprint
-from gptforge.data.filters import Filter, build_filters, clean_settings, first_failure
-from gptforge.data.languages import DEFAULT_EXTENSIONS, language_of, parse_extensions
+from gptforge.data import pipeline
+from gptforge.data.decontaminate import eval_ngrams
+from gptforge.data.dedup import DEDUP_MODES, Deduplicator, DedupSettings
+from gptforge.data.filters import build_filters, clean_settings
+from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
 from gptforge.data.outdir import (
     REPORT_FILE,
     TOKENIZER_FILE,
@@ -40,123 +35,14 @@ from gptforge.data.outdir import (
     remove_own_files,
     remove_stale_temps,
 )
+from gptforge.data.pipeline import Job, judge
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.report import Report, render
-from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, dtype_for_vocab, write_manifest, write_shard
+from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
 from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, locked, swap_dir
-
-BATCH_DOCS, BATCH_CHARS = 256, 1 << 20  # documents per worker task, at most (a crash loses at most one batch)
-_worker: dict[str, Any] = {}
-
-
-@dataclass
-class ShardWriter:
-    """One split's shards: buffers whole documents and writes a shard once `shard_tokens` are reached."""
-
-    out_dir: Path
-    split: str
-    shard_tokens: int
-    dtype: type
-    shards: list[dict[str, Any]] = field(default_factory=list)
-    docs: int = 0
-    bytes: int = 0
-
-    def __post_init__(self) -> None:
-        self._parts: list[np.ndarray] = []
-        self._fill = self._docs = self._bytes = 0
-        self._last = -1
-
-    @property
-    def next_doc(self) -> int:
-        """Index of the first document not in a written shard."""
-        return self.shards[-1]["last_doc"] + 1 if self.shards else 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(s["tokens"] for s in self.shards) + self._fill
-
-    def restore(self, shards: list[dict[str, Any]]) -> None:
-        self.shards = list(shards)
-        self.docs = sum(s["docs"] for s in shards)
-        self.bytes = sum(s["bytes"] for s in shards)
-
-    def add(self, index: int, tokens: np.ndarray, n_bytes: int) -> bool:
-        """Buffer a document; True if a shard was written."""
-        flushed = False
-        if self._fill and self._fill + len(tokens) > self.shard_tokens:
-            flushed = self.flush()
-        self._parts.append(tokens)
-        self._fill += len(tokens)
-        self._docs, self._bytes, self._last = self._docs + 1, self._bytes + n_bytes, index
-        self.docs, self.bytes = self.docs + 1, self.bytes + n_bytes
-        if self._fill >= self.shard_tokens:
-            flushed = self.flush()
-        return flushed
-
-    def flush(self) -> bool:
-        if not self._fill:
-            return False
-        name = f"{self.split}_{len(self.shards):06d}.bin"
-        sha = write_shard(self.out_dir / name, np.concatenate(self._parts))
-        self.shards.append(
-            {
-                "file": name,
-                "split": self.split,
-                "tokens": self._fill,
-                "sha256": sha,
-                "docs": self._docs,
-                "bytes": self._bytes,
-                "last_doc": self._last,
-            }
-        )
-        self._parts, self._fill, self._docs, self._bytes = [], 0, 0, 0
-        return True
-
-
-def _init_worker(tokenizer_spec: str, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> None:
-    # Ctrl-C reaches the whole process group: the parent alone stops the run, not a traceback from each worker.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker.update(tok=load_tokenizer(tokenizer_spec), ngrams=ngrams, filters=filters, dedup=dedup)
-
-
-Job = tuple[int, str, str, str, bool]  # (index, split, name, text, tokenize it: False for one already in a shard)
-
-
-def _encode(jobs: list[Job]) -> tuple[list[tuple], np.ndarray]:
-    """Judge and tokenize a batch of documents: ([(index, split, name, n_tokens, n_bytes, fingerprint, failure,
-    contaminated)], tokens), the tokens of all in one array.
-
-    The worker does what is per document (filters, dedup fingerprint, contamination, tokens); the parent decides
-    duplicates in document order. A filtered or contaminated document, or one not to tokenize, gets no tokens;
-    each tokenized one is EOT first, then its text. One array per batch keeps the parent's work small.
-    """
-    tok, dedup = _worker["tok"], _worker["dedup"]
-    docs, ids = [], []
-    for index, split, name, text, tokenize in jobs:
-        failure = first_failure(_worker["filters"], text, language_of(name))
-        fp = fingerprint(text, dedup) if dedup.mode != "none" and failure is None else None
-        contaminated = failure is None and split == "train" and is_contaminated(text, _worker["ngrams"])
-        before = len(ids)
-        if tokenize and failure is None and not contaminated:
-            ids.append(tok.eot)
-            ids.extend(tok.encode(text))
-        docs.append((index, split, name, len(ids) - before, len(text.encode("utf-8")), fp, failure, contaminated))
-    return docs, np.array(ids, dtype=dtype_for_vocab(tok.vocab_size))
-
-
-def _batched(items: Iterator[Job]) -> Iterator[list[Job]]:
-    batch, chars = [], 0
-    for item in items:
-        batch.append(item)
-        chars += len(item[3]) if item[4] else len(item[3]) // 8  # fingerprinting alone is cheaper
-        if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
 
 
 def is_validation(name: str, index: int, val_fraction: float, seed: int = 0) -> bool:
@@ -167,22 +53,34 @@ def is_validation(name: str, index: int, val_fraction: float, seed: int = 0) -> 
     return index == 0 or zlib.crc32(key.encode()) % 1_000_000 < val_fraction * 1_000_000
 
 
+def _split(name: str, index: int, settings: PrepareSettings) -> str:
+    return "val" if is_validation(name, index, settings.val_fraction, settings.seed) else "train"
+
+
 def _nonempty(docs: Iterator[Document]) -> Iterator[Document]:
     return (d for d in docs if d[1].strip())
 
 
 def _tokenizer_for(
-    out: Path, settings: PrepareSettings, train_vocab: int | None, resuming: bool, given: Tokenizer | None
+    out: Path,
+    settings: PrepareSettings,
+    train_vocab: int | None,
+    resuming: bool,
+    given: Tokenizer | None,
+    ngrams: frozenset[int],
+    workers: int | None,
 ) -> Tokenizer:
-    """The `given` tokenizer (GPT-2 or a file), or a BPE trained on the training split; file-based ones go to OUT."""
+    """The `given` tokenizer (GPT-2 or a file), or a BPE trained on the training documents the run keeps (so that
+    copies and filtered junk do not shape its vocabulary); file-based ones go to OUT."""
     if given is None:
         if resuming and (out / TOKENIZER_FILE).is_file():
             return load_tokenizer(TOKENIZER_FILE, out)
+        kept = _kept_training_docs(settings, ngrams, workers)
         docs = _nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
         train_docs = (
             text
             for i, (name, text) in enumerate(docs)
-            if not is_validation(name, i, settings.val_fraction, settings.seed)
+            if (i in kept if kept is not None else not is_validation(name, i, settings.val_fraction, settings.seed))
         )
         print(f"training a {train_vocab}-token byte-level BPE on {settings.source}", flush=True)
         return train_bpe(train_docs, train_vocab, out / TOKENIZER_FILE)
@@ -190,6 +88,22 @@ def _tokenizer_for(
         atomic_write(out / TOKENIZER_FILE, given.path.read_bytes())  # the data folder carries its own tokenizer
         return load_tokenizer(TOKENIZER_FILE, out)
     return given
+
+
+def _kept_training_docs(settings: PrepareSettings, ngrams: frozenset[int], workers: int | None) -> set[int] | None:
+    """Indexes of the training documents the run keeps (filters, duplicates, contamination), judged without
+    tokenizing; None when nothing is removed."""
+    filters = build_filters(settings.clean_mode, settings.clean)
+    if settings.dedup.mode == "none" and not filters and not ngrams:
+        return None
+    docs = _nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
+    jobs = (Job(i, _split(name, i, settings), name, text, tokenize=False) for i, (name, text) in enumerate(docs))
+    dedup, report, names, kept = Deduplicator(settings.dedup), Report(), {}, set()
+    print("judging the documents first, so that the tokenizer learns from those kept", flush=True)
+    with pipeline.start_pool(pipeline.worker_count(workers), None, ngrams, filters, settings.dedup) as pool:
+        for batch, _ in pool.imap(pipeline.encode, pipeline.batched(jobs)):
+            kept.update(o.index for o in batch if judge(o, dedup, report, names) and o.split == "train")
+    return kept
 
 
 def prepare(
@@ -335,7 +249,7 @@ def _build(
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
         remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
         atomic_write(out / PROGRESS, json.dumps({"settings": settings.to_json(), "shards": []}))
-    tok = _tokenizer_for(out, settings, train_tokenizer, resuming, given)
+    tok = _tokenizer_for(out, settings, train_tokenizer, resuming, given, ngrams=ngrams, workers=workers)
     writers = {s: ShardWriter(out, s, settings.shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
     if resuming and progress.get("shards"):
         for split, w in writers.items():
@@ -405,8 +319,8 @@ def _tokenize(
 
     def jobs() -> Iterator[Job]:
         for index, (name, text) in enumerate(docs):  # documents with text (`_checked_inputs`)
-            split = "val" if is_validation(name, index, settings.val_fraction, settings.seed) else "train"
-            yield index, split, name, text, index >= writers[split].next_doc
+            split = _split(name, index, settings)
+            yield Job(index, split, name, text, tokenize=index >= writers[split].next_doc)
 
     def save_progress() -> None:
         state = {"settings": settings.to_json(), "shards": [s for w in writers.values() for s in w.shards]}
@@ -418,16 +332,15 @@ def _tokenize(
     bar = tqdm(
         total=source_bytes(settings.source), desc=f"prepare {settings.source}", unit="B", unit_scale=True, disable=None
     )
-    with _start_pool(_worker_count(workers), spec, ngrams, filters, settings.dedup) as pool:
-        for batch, tokens in pool.imap(_encode, _batched(jobs())):
+    with pipeline.start_pool(pipeline.worker_count(workers), spec, ngrams, filters, settings.dedup) as pool:
+        for batch, tokens in pool.imap(pipeline.encode, pipeline.batched(jobs())):
             offset = 0
-            for outcome in batch:
-                index, split, _, n_tokens, n_bytes = outcome[:5]
-                kept = _judge(outcome, dedup, report, names) and n_tokens
-                if kept and writers[split].add(index, tokens[offset : offset + n_tokens], n_bytes):
+            for o in batch:
+                kept = judge(o, dedup, report, names) and o.n_tokens
+                if kept and writers[o.split].add(o.index, tokens[offset : offset + o.n_tokens], o.n_bytes):
                     save_progress()
-                offset += n_tokens
-                bar.update(n_bytes)
+                offset += o.n_tokens
+                bar.update(o.n_bytes)
             bar.set_postfix(
                 docs=writers["train"].docs + writers["val"].docs, tokens=writers["train"].tokens, refresh=False
             )
@@ -437,62 +350,20 @@ def _tokenize(
     return report
 
 
-def _judge(outcome: tuple, dedup: Deduplicator, report: Report, names: dict[int, str]) -> bool:
-    """Whether a document is kept, in the stated order: filters, then duplicates of an earlier kept document
-    (decided here, in document order, whatever the worker count), then contamination; counted in `report`."""
-    index, _, name, _, n_bytes, fp, failure, contaminated = outcome
-    language = language_of(name)
-    report.read(language, n_bytes)
-    if failure is not None:
-        report.filter_removed(name, *failure, n_bytes)
-        return False
-    verdict = dedup.check(index, fp) if fp is not None else None
-    if verdict is not None:
-        report.duplicate(verdict.kind, name, names.get(verdict.of, "?"), verdict.similarity, n_bytes)
-        return False
-    if dedup.settings.mode != "none":
-        names[index] = name  # a kept document: a later duplicate names it
-    if contaminated:
-        report.count("decontaminated", n_bytes)
-        return False
-    report.kept(language, n_bytes)
-    return True
-
-
-def _cpu_count() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one: taskset, containers)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _worker_count(workers: int | None) -> int:
-    """--workers, at most one per CPU (default: one per CPU): more only compete for the same cores."""
-    cpus = _cpu_count()
-    if workers is not None and workers > cpus:
-        print(f"using {cpus} workers: this machine has {cpus} CPUs", flush=True)
-        return cpus
-    return workers or cpus
-
-
-def _start_pool(processes: int, spec: str, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> Any:
-    """A spawn pool of tokenizer workers that ignore Ctrl-C: the parent alone stops the run, ending them."""
-    # Spawned while SIGINT is ignored here, the workers start out ignoring it (an ignored signal stays ignored
-    # across exec, and Python leaves it so), so a Ctrl-C during their imports, before the initializer runs, cannot
-    # kill one with a traceback. A Ctrl-C in the milliseconds this takes is lost; signal.signal needs the main thread.
-    main = threading.current_thread() is threading.main_thread()
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        return mp.get_context("spawn").Pool(processes, _init_worker, (spec, ngrams, filters, dedup))
-    finally:
-        if handler is not None:
-            signal.signal(signal.SIGINT, handler)
-
-
 def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
-    """What `gptforge prepare` wrote, a line per split."""
+    """What `gptforge prepare` wrote, a line per split, and what each stage removed (a folder from before the report
+    has no such line)."""
     lines = [
         f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB"
         for split, s in manifest["splits"].items()
     ]
+    if "report" in manifest:
+        stages = manifest["report"]["stages"]
+        removed = [
+            f"{stage} {c['docs']:,} ({c['bytes'] / 1e6:.2f} MB)"
+            for stage, c in stages.items()
+            if stage not in ("read", "kept") and c["docs"]
+        ]
+        read = stages["read"]["docs"]
+        lines.append(f"removed: {', '.join(removed) or 'nothing'} of {read:,} documents read (see report.md)")
     return "\n".join([*lines, f"wrote {len(manifest['shards'])} shard(s) and manifest.json to {out_dir}"])

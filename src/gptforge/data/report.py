@@ -55,12 +55,6 @@ class Report:
             "filtered_samples": self.filtered,
         }
 
-    def summary(self) -> str:
-        """A line of what each stage removed, for the terminal."""
-        parts = [f"{s} {self.docs[s]:,} ({self.bytes[s] / 1e6:.2f} MB)" for s in STAGES[1:-1] if self.docs[s]]
-        read, kept = self.docs["read"], self.docs["kept"]
-        return f"read {read:,} documents; removed: {', '.join(parts) or 'none'}; kept {kept:,}"
-
 
 def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
     """report.md from the manifest's "report" object and settings."""

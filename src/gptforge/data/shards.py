@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,67 @@ def _manifest_problem(manifest: Any) -> str | None:
         if not (isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in ("tokens", "bytes"))):
             return f"no 'splits.{split}' with 'tokens' and 'bytes'"
     return None
+
+
+@dataclass
+class ShardWriter:
+    """One split's shards: buffers whole documents and writes a shard once `shard_tokens` are reached."""
+
+    out_dir: Path
+    split: str
+    shard_tokens: int
+    dtype: type
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    docs: int = 0
+    bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._fill = self._docs = self._bytes = 0
+        self._last = -1
+
+    @property
+    def next_doc(self) -> int:
+        """Index of the first document not in a written shard."""
+        return self.shards[-1]["last_doc"] + 1 if self.shards else 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards) + self._fill
+
+    def restore(self, shards: list[dict[str, Any]]) -> None:
+        self.shards = list(shards)
+        self.docs = sum(s["docs"] for s in shards)
+        self.bytes = sum(s["bytes"] for s in shards)
+
+    def add(self, index: int, tokens: np.ndarray, n_bytes: int) -> bool:
+        """Buffer a document; True if a shard was written."""
+        flushed = False
+        if self._fill and self._fill + len(tokens) > self.shard_tokens:
+            flushed = self.flush()
+        self._parts.append(tokens)
+        self._fill += len(tokens)
+        self._docs, self._bytes, self._last = self._docs + 1, self._bytes + n_bytes, index
+        self.docs, self.bytes = self.docs + 1, self.bytes + n_bytes
+        if self._fill >= self.shard_tokens:
+            flushed = self.flush()
+        return flushed
+
+    def flush(self) -> bool:
+        if not self._fill:
+            return False
+        name = f"{self.split}_{len(self.shards):06d}.bin"
+        sha = write_shard(self.out_dir / name, np.concatenate(self._parts))
+        self.shards.append(
+            {
+                "file": name,
+                "split": self.split,
+                "tokens": self._fill,
+                "sha256": sha,
+                "docs": self._docs,
+                "bytes": self._bytes,
+                "last_doc": self._last,
+            }
+        )
+        self._parts, self._fill, self._docs, self._bytes = [], 0, 0, 0
+        return True
