@@ -34,6 +34,7 @@ class Parser(argparse.ArgumentParser):
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from gptforge.data.dedup import DedupSettings
+    from gptforge.data.engine import EngineSettings
     from gptforge.data.prepare import prepare, summarize
 
     manifest = prepare(
@@ -58,6 +59,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         clean=args.clean,
         clean_set=args.clean_set,
         ext=args.ext,
+        engine=EngineSettings(args.engine, args.tasks, args.executor),
     )
     print(summarize(manifest, args.out))
 
@@ -295,6 +297,11 @@ def _add_cleaning_flags(s) -> None:
         help="file types read from a folder or glob: py,js,c | +go,-md | code,prose (default: code, markup, prose)",
     )
     s.add_argument("--clean", default="none", help="quality filters: none (default) | code | web")
+    s.add_argument(
+        "--engine", default="local", help="where documents are processed: local (worker processes) | datatrove"
+    )
+    s.add_argument("--tasks", type=int, default=1, help="datatrove: tasks the documents are split into (default 1)")
+    s.add_argument("--executor", default="local", help="datatrove: local (default) | ray (a Ray cluster)")
     s.add_argument(
         "--clean-set",
         action="append",

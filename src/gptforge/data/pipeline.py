@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +54,12 @@ class Outcome:
 def init_worker(spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> None:
     # Ctrl-C reaches the whole process group: the parent alone stops the run, not a traceback from each worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    tok = load_tokenizer(spec) if spec else None  # None: judging only, for a tokenizer to train
-    _worker.update(tok=tok, ngrams=ngrams, filters=filters, dedup=dedup)
+    load_worker(spec, ngrams, filters, dedup)
+
+
+def load_worker(spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> None:
+    """What `encode` uses in this process: the tokenizer (None: judging only), n-grams, filters, dedup settings."""
+    _worker.update(tok=load_tokenizer(spec) if spec else None, ngrams=ngrams, filters=filters, dedup=dedup)
 
 
 def encode(jobs: list[Job]) -> tuple[list[Outcome], np.ndarray]:
@@ -89,6 +94,14 @@ def batched(jobs: Iterator[Job]) -> Iterator[list[Job]]:
             batch, chars = [], 0
     if batch:
         yield batch
+
+
+def is_validation(name: str, index: int, val_fraction: float, seed: int = 0) -> bool:
+    """Held-out split by a stable hash of the document name; the first document always, so val is never empty."""
+    if val_fraction <= 0:
+        return False
+    key = f"{seed}:{name}" if seed else name  # seed 0 hashes the bare name
+    return index == 0 or zlib.crc32(key.encode()) % 1_000_000 < val_fraction * 1_000_000
 
 
 def judge(outcome: Outcome, dedup: Deduplicator, report: Report, names: dict[int, str]) -> bool:

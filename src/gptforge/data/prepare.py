@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import zlib
+import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from gptforge.data import pipeline
 from gptforge.data.decontaminate import eval_ngrams
 from gptforge.data.dedup import DEDUP_MODES, Deduplicator, DedupSettings
+from gptforge.data.engine import LOCAL, WORK_DIR, EngineSettings, Share, check_engine, datatrove_outcomes
 from gptforge.data.filters import build_filters, clean_settings
 from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
 from gptforge.data.outdir import (
@@ -35,7 +38,7 @@ from gptforge.data.outdir import (
     remove_own_files,
     remove_stale_temps,
 )
-from gptforge.data.pipeline import Job, judge
+from gptforge.data.pipeline import Job, Outcome, is_validation, judge
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.report import Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
@@ -43,14 +46,6 @@ from gptforge.data.sources import Document, documents, local_paths, resolve, sou
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, locked, swap_dir
-
-
-def is_validation(name: str, index: int, val_fraction: float, seed: int = 0) -> bool:
-    """Held-out split by a stable hash of the document name; the first document always, so val is never empty."""
-    if val_fraction <= 0:
-        return False
-    key = f"{seed}:{name}" if seed else name  # seed 0 hashes the bare name
-    return index == 0 or zlib.crc32(key.encode()) % 1_000_000 < val_fraction * 1_000_000
 
 
 def _split(name: str, index: int, settings: PrepareSettings) -> str:
@@ -122,17 +117,17 @@ def prepare(
     clean: str = "none",
     clean_set: Sequence[str] = (),
     ext: str | None = None,
+    engine: EngineSettings = LOCAL,
 ) -> dict[str, Any]:
     """Tokenize `source` into `out_dir`; returns the manifest (also written, last, as manifest.json).
 
-    `tokenizer` is 'gpt2' or a tokenizer .json file; `train_tokenizer=N` trains an N-token BPE instead.
-    `decontaminate` lists evaluation files whose 13-grams disqualify training documents. `force` lets the
-    result replace a folder holding anything else. `dedup` is a mode (none, exact, near) or its settings;
-    `clean` a filter set (none, code, web) and `clean_set` its changes ('code.max_line_length=2000');
-    `ext` the file types read from a folder or glob (languages.parse_extensions; default: source and text).
+    `tokenizer`: 'gpt2' or a tokenizer .json file (`train_tokenizer=N`: train an N-token BPE); `decontaminate`:
+    evaluation files whose 13-grams disqualify training documents; `force`: replace a folder holding anything else;
+    `dedup`: a mode (none, exact, near) or its settings; `clean`: a filter set (none, code, web), `clean_set` its
+    changes; `ext`: the file types read (languages.parse_extensions); `engine`: where the per-document work runs.
     """
     _check_flags(tokenizer, val_fraction, shard_tokens, workers, train_tokenizer)
-    dedup = check_dedup(DedupSettings(mode=dedup) if isinstance(dedup, str) else dedup)
+    dedup, engine = check_dedup(DedupSettings(mode=dedup) if isinstance(dedup, str) else dedup), check_engine(engine)
     build_filters(clean)  # an unknown mode fails here
     cleaning = clean_settings(clean_set)
     source, text_field = resolve(source, text_field)
@@ -175,6 +170,7 @@ def prepare(
                     train_tokenizer=train_tokenizer,
                     ngrams=ngrams,
                     workers=workers,
+                    engine=engine,
                 )
             if folder != out:
                 swap_dir(folder, out.resolve())
@@ -241,6 +237,7 @@ def _build(
     train_tokenizer: int | None,
     ngrams: frozenset[int],
     workers: int | None,
+    engine: EngineSettings,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
     remove_stale_temps(out)
@@ -248,6 +245,7 @@ def _build(
     resuming = progress is not None and settings.matches(progress.get("settings"))
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
         remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
+        shutil.rmtree(out / WORK_DIR, ignore_errors=True)
         atomic_write(out / PROGRESS, json.dumps({"settings": settings.to_json(), "shards": []}))
     tok = _tokenizer_for(out, settings, train_tokenizer, resuming, given, ngrams=ngrams, workers=workers)
     writers = {s: ShardWriter(out, s, settings.shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
@@ -256,7 +254,7 @@ def _build(
             w.restore([s for s in progress["shards"] if s["split"] == split])
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
     docs, skipped = read
-    report = _tokenize(docs, tok, ngrams, writers, settings, out, workers)
+    report = _tokenize(docs, tok, ngrams, writers, settings, out, _Run(workers, engine))
     for _, n_bytes in skipped:
         report.count("binary skipped", n_bytes)
     _check_kept(settings, writers, report)
@@ -281,6 +279,7 @@ def _build(
     atomic_write(out / REPORT_FILE, render(manifest["report"], manifest["settings"]))
     write_manifest(out, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
+    shutil.rmtree(out / WORK_DIR, ignore_errors=True)
     return manifest
 
 
@@ -304,6 +303,12 @@ def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], repo
     )
 
 
+@dataclass(frozen=True)
+class _Run:
+    workers: int | None
+    engine: EngineSettings
+
+
 def _tokenize(
     docs: Iterator[Document],
     tok: Tokenizer,
@@ -311,10 +316,10 @@ def _tokenize(
     writers: dict[str, ShardWriter],
     settings: PrepareSettings,
     out: Path,
-    workers: int | None,
+    run: _Run,
 ) -> Report:
     """Judge every document in order and tokenize those kept that are not yet in a shard into the writers,
-    saving progress after each shard. Documents already in shards are judged again (not tokenized), so the
+    saving progress after each shard. Documents already in shards are judged again (not written), so the
     deduplicator and the report are rebuilt exactly on resume."""
 
     def jobs() -> Iterator[Job]:
@@ -328,26 +333,37 @@ def _tokenize(
 
     spec = str(tok.path) if tok.path else tok.name
     filters = build_filters(settings.clean_mode, settings.clean)
+    if run.engine.name == "datatrove":
+        share = Share(settings.source, settings.text_field, frozenset(settings.extensions), settings.val_fraction,
+                      settings.seed, spec, ngrams, filters, settings.dedup, str(out / WORK_DIR))  # fmt: skip
+        batches = datatrove_outcomes(share, run.engine)
+    else:
+        batches = _local_outcomes(jobs(), spec, ngrams, filters, settings.dedup, run.workers)
     dedup, report, names = Deduplicator(settings.dedup), Report(), {}
     bar = tqdm(
         total=source_bytes(settings.source), desc=f"prepare {settings.source}", unit="B", unit_scale=True, disable=None
     )
-    with pipeline.start_pool(pipeline.worker_count(workers), spec, ngrams, filters, settings.dedup) as pool:
-        for batch, tokens in pool.imap(pipeline.encode, pipeline.batched(jobs())):
-            offset = 0
-            for o in batch:
-                kept = judge(o, dedup, report, names) and o.n_tokens
-                if kept and writers[o.split].add(o.index, tokens[offset : offset + o.n_tokens], o.n_bytes):
-                    save_progress()
-                offset += o.n_tokens
-                bar.update(o.n_bytes)
-            bar.set_postfix(
-                docs=writers["train"].docs + writers["val"].docs, tokens=writers["train"].tokens, refresh=False
-            )
+    for batch, tokens in batches:
+        offset = 0
+        for o in batch:
+            kept = judge(o, dedup, report, names) and o.n_tokens and o.index >= writers[o.split].next_doc
+            if kept and writers[o.split].add(o.index, tokens[offset : offset + o.n_tokens], o.n_bytes):
+                save_progress()
+            offset += o.n_tokens
+            bar.update(o.n_bytes)
+        bar.set_postfix(docs=writers["train"].docs + writers["val"].docs, tokens=writers["train"].tokens, refresh=False)
     bar.close()
     for w in writers.values():
         w.flush()
     return report
+
+
+def _local_outcomes(
+    jobs: Iterator[Job], spec: str, ngrams: frozenset[int], filters: list, dedup: DedupSettings, workers: int | None
+) -> Iterator[tuple[list[Outcome], np.ndarray]]:
+    """The outcomes and tokens of this machine's worker processes, batch by batch in document order."""
+    with pipeline.start_pool(pipeline.worker_count(workers), spec, ngrams, filters, dedup) as pool:
+        yield from pool.imap(pipeline.encode, pipeline.batched(jobs))
 
 
 def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:

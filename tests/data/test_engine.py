@@ -1,0 +1,106 @@
+"""prepare on datatrove: N tasks on its local executor write the local engine's shards byte for byte, resume, and
+refuse what cannot work in one line."""
+
+import json
+import shutil
+
+import pytest
+
+from gptforge.cli import main
+from gptforge.data.engine import EngineSettings
+from gptforge.data.prepare import prepare
+from gptforge.errors import GptforgeError
+
+pytest.importorskip("datatrove")
+
+
+@pytest.fixture(scope="module")
+def planted(corpus_dir, tmp_path_factory):
+    """The test corpus with an exact copy, a near copy and a minified file that --clean code removes."""
+    src = tmp_path_factory.mktemp("planted") / "src"
+    shutil.copytree(corpus_dir, src)
+    files = sorted(src.glob("*.py"))
+    shutil.copy(files[3], src / "zz_exact.py")
+    lines = files[5].read_text().splitlines()
+    (src / "zz_near.py").write_text("\n".join([*lines[:-1], lines[-1] + "  # edited"]))
+    (src / "zz_minified.py").write_text("x=[" + ",".join(f"v{i}" for i in range(900)) + "]\n")
+    return src
+
+
+def _result(m):
+    return [s["sha256"] for s in m["shards"]], m["report"], m["splits"]
+
+
+@pytest.mark.slow
+def test_datatrove_tasks_write_the_local_engine_s_shards_byte_for_byte(planted, tmp_path):
+    args = {"val_fraction": 0.2, "shard_tokens": 2000, "clean": "code", "workers": 1}
+    local = prepare(str(planted), tmp_path / "local", **args)
+    stages = local["report"]["stages"]
+    assert stages["exact duplicates"]["docs"] == 1 and stages["near duplicates"]["docs"] == 1
+    assert stages["filtered"]["docs"] == 1 and len(local["shards"]) > 2
+    for tasks in (1, 3):
+        m = prepare(str(planted), tmp_path / f"dt{tasks}", engine=EngineSettings("datatrove", tasks), **args)
+        assert _result(m) == _result(local), tasks
+        assert sorted(p.name for p in (tmp_path / f"dt{tasks}").iterdir()) == sorted(
+            p.name for p in (tmp_path / "local").iterdir()
+        )  # the work folder is gone once the manifest is written
+        for shard in m["shards"]:
+            assert (tmp_path / f"dt{tasks}" / shard["file"]).read_bytes() == (
+                tmp_path / "local" / shard["file"]
+            ).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_datatrove_run_stopped_midway_reruns_only_its_unfinished_tasks(planted, tmp_path, monkeypatch):
+    import gptforge.data.engine as engine
+
+    out, real, seen = tmp_path / "out", engine.datatrove_outcomes, []
+    work = out / ".datatrove"
+
+    def killed_after_the_tasks(share, settings):
+        yield next(real(share, settings))
+        raise KeyboardInterrupt
+
+    def watched(share, settings):
+        batches = real(share, settings)
+        first = next(batches)  # the executor has run the unfinished tasks by now
+        seen.append({p.name: p.stat().st_mtime_ns for p in work.glob("0000*.jsonl")})
+        yield first
+        yield from batches
+
+    dt = EngineSettings("datatrove", 2)
+    monkeypatch.setattr("gptforge.data.prepare.datatrove_outcomes", killed_after_the_tasks)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(planted), out, val_fraction=0.2, workers=1, engine=dt)
+    before = {p.name: p.stat().st_mtime_ns for p in work.glob("0000*.jsonl")}
+    assert sorted(before) == ["00000.jsonl", "00001.jsonl"]
+    (work / "00001.jsonl").unlink()  # as if task 1 had died before finishing
+    (work / "logs" / "completions" / "00001").unlink()
+    monkeypatch.setattr("gptforge.data.prepare.datatrove_outcomes", watched)
+    m = prepare(str(planted), out, val_fraction=0.2, workers=1, engine=dt)
+    assert seen[0]["00000.jsonl"] == before["00000.jsonl"] and "00001.jsonl" in seen[0]  # only task 1 ran again
+    assert not work.exists()
+    local = prepare(str(planted), tmp_path / "local", val_fraction=0.2, workers=1)
+    assert _result(m) == _result(local)
+
+
+def test_engine_flags_that_cannot_work_are_one_line(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def f():\n    return 1\n")
+    for flags, says in (
+        (["--engine", "spark"], "--engine 'spark': expected one of local, datatrove"),
+        (["--engine", "datatrove", "--tasks", "0"], "--tasks must be positive, got 0"),
+        (["--engine", "datatrove", "--executor", "slurm"], "--executor 'slurm': expected one of local, ray"),
+    ):
+        assert main(["prepare", str(src), "--out", str(tmp_path / "out"), *flags]) == 1
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datatrove" else real(name, *a))
+    with pytest.raises(GptforgeError, match=r"--engine datatrove needs datatrove: pip install 'gptforge\[datatrove\]'"):
+        prepare(str(src), tmp_path / "out", engine=EngineSettings("datatrove"))
+    assert json.dumps(EngineSettings().__dict__) == '{"name": "local", "tasks": 1, "executor": "local"}'
