@@ -59,7 +59,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         clean=args.clean,
         clean_set=args.clean_set,
         ext=args.ext,
-        engine=EngineSettings(args.engine, args.tasks, args.executor),
+        engine=EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time),
     )
     print(summarize(manifest, args.out))
 
@@ -301,7 +301,9 @@ def _add_cleaning_flags(s) -> None:
         "--engine", default="local", help="where documents are processed: local (worker processes) | datatrove"
     )
     s.add_argument("--tasks", type=int, default=1, help="datatrove: tasks the documents are split into (default 1)")
-    s.add_argument("--executor", default="local", help="datatrove: local (default) | ray (a Ray cluster)")
+    s.add_argument("--executor", default="local", help="datatrove: local (default) | ray | slurm")
+    s.add_argument("--slurm-partition", default="", help="datatrove on Slurm: the partition its tasks run on")
+    s.add_argument("--slurm-time", default="24:00:00", help="datatrove on Slurm: each task's time limit")
     s.add_argument(
         "--clean-set",
         action="append",

@@ -1,8 +1,10 @@
 """prepare on datatrove: N tasks on its local executor write the local engine's shards byte for byte, resume, and
 refuse what cannot work in one line."""
 
-import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -91,7 +93,8 @@ def test_engine_flags_that_cannot_work_are_one_line(tmp_path, capsys, monkeypatc
     for flags, says in (
         (["--engine", "spark"], "--engine 'spark': expected one of local, datatrove"),
         (["--engine", "datatrove", "--tasks", "0"], "--tasks must be positive, got 0"),
-        (["--engine", "datatrove", "--executor", "slurm"], "--executor 'slurm': expected one of local, ray"),
+        (["--engine", "datatrove", "--executor", "spark"], "--executor 'spark': expected one of local, ray, slurm"),
+        (["--engine", "datatrove", "--executor", "slurm"], "--executor slurm needs --slurm-partition NAME"),
     ):
         assert main(["prepare", str(src), "--out", str(tmp_path / "out"), *flags]) == 1
         err = capsys.readouterr().err
@@ -103,4 +106,28 @@ def test_engine_flags_that_cannot_work_are_one_line(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datatrove" else real(name, *a))
     with pytest.raises(GptforgeError, match=r"--engine datatrove needs datatrove: pip install 'gptforge\[datatrove\]'"):
         prepare(str(src), tmp_path / "out", engine=EngineSettings("datatrove"))
-    assert json.dumps(EngineSettings().__dict__) == '{"name": "local", "tasks": 1, "executor": "local"}'
+
+
+def test_on_slurm_the_tasks_are_submitted_and_a_second_command_writes_the_shards(planted, tmp_path, monkeypatch):
+    """A fake `sbatch` takes the job; the tasks then run as Slurm would run them (launch_pickled_pipeline with the
+    array index), and the same command again merges their outputs into the local engine's shards."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for command, says in (("sbatch", "Submitted batch job 7"), ("scontrol", "node1")):  # Slurm's, as far as used
+        (bin_dir / command).write_text(f'#!/bin/sh\necho "{says}"\n')
+        (bin_dir / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out, slurm = tmp_path / "out", EngineSettings("datatrove", 2, "slurm", "cpu", "01:00:00")
+    with pytest.raises(GptforgeError, match=r"2 of 2 datatrove tasks are with Slurm \(job 7; .*run the same command"):
+        prepare(str(planted), out, val_fraction=0.2, workers=1, engine=slurm)
+    script = (out / ".datatrove" / "logs" / "launch_script.slurm").read_text()
+    assert "#SBATCH --partition=cpu" in script and "#SBATCH --time=01:00:00" in script and "--array=0-1" in script
+    pickled = out / ".datatrove" / "logs" / "executor.pik"
+    for task in ("0", "1"):  # what srun runs on each node of the array
+        env = {**os.environ, "SLURM_ARRAY_TASK_ID": task, "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "7"}
+        done = subprocess.run([sys.executable, "-m", "datatrove.tools.launch_pickled_pipeline", str(pickled)],
+                              env=env, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    m = prepare(str(planted), out, val_fraction=0.2, workers=1, engine=slurm)
+    local = prepare(str(planted), tmp_path / "local", val_fraction=0.2, workers=1)
+    assert _result(m) == _result(local)

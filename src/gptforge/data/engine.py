@@ -15,6 +15,7 @@ import heapq
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from gptforge.data.sources import documents
 from gptforge.errors import GptforgeError
 
 ENGINES = ("local", "datatrove")
-EXECUTORS = ("local", "ray")  # Slurm: README, "Past one machine"
+EXECUTORS = ("local", "ray", "slurm")
 WORK_DIR = ".datatrove"  # inside the folder being built: removed once the manifest is written
 
 
@@ -41,6 +42,8 @@ class EngineSettings:
     name: str = "local"
     tasks: int = 1
     executor: str = "local"
+    slurm_partition: str = ""
+    slurm_time: str = "24:00:00"
 
 
 LOCAL = EngineSettings()
@@ -54,6 +57,8 @@ def check_engine(engine: EngineSettings) -> EngineSettings:
         raise GptforgeError(f"--tasks must be positive, got {engine.tasks}")
     if engine.executor not in EXECUTORS:
         raise GptforgeError(f"--executor {engine.executor!r}: expected one of {', '.join(EXECUTORS)}")
+    if engine.executor == "slurm" and not engine.slurm_partition:
+        raise GptforgeError("--executor slurm needs --slurm-partition NAME (the partition its tasks run on)")
     needs = {"datatrove": "datatrove", **({"ray": "datatrove,ray"} if engine.executor == "ray" else {})}
     for module, extra in needs.items() if engine.name == "datatrove" else ():
         if importlib.util.find_spec(module) is None:
@@ -125,6 +130,14 @@ def datatrove_outcomes(share: Share, engine: EngineSettings) -> Iterator[tuple[l
         from datatrove.executor.ray import RayPipelineExecutor
 
         executor = RayPipelineExecutor(datatrove_pipeline(share), tasks=engine.tasks, logging_dir=logs)
+    elif engine.executor == "slurm":  # sbatch returns at once: the tasks run later, on the cluster's nodes
+        from datatrove.executor.slurm import SlurmPipelineExecutor
+
+        activate = Path(sys.prefix) / "bin" / "activate"
+        executor = SlurmPipelineExecutor(
+            datatrove_pipeline(share), tasks=engine.tasks, time=engine.slurm_time, partition=engine.slurm_partition,
+            logging_dir=logs, job_name="gptforge-prepare", venv_path=str(activate) if activate.is_file() else None,
+        )  # fmt: skip
     else:
         from datatrove.executor.local import LocalPipelineExecutor
 
@@ -134,6 +147,11 @@ def datatrove_outcomes(share: Share, engine: EngineSettings) -> Iterator[tuple[l
         )
     executor.run()
     missing = [r for r in range(engine.tasks) if not (work / f"{r:05d}.jsonl").is_file()]
+    if missing and engine.executor == "slurm":
+        raise GptforgeError(
+            f"{len(missing)} of {engine.tasks} datatrove tasks are with Slurm (job {executor.job_id}; logs: {logs}); "
+            "run the same command again once they have finished, to write the shards"
+        )
     if missing:
         raise GptforgeError(
             f"{len(missing)} of {engine.tasks} datatrove tasks did not finish (their logs: {logs}); run the same "
