@@ -59,7 +59,7 @@ def check_engine(engine: EngineSettings) -> EngineSettings:
         raise GptforgeError(f"--executor {engine.executor!r}: expected one of {', '.join(EXECUTORS)}")
     if engine.executor == "slurm" and not engine.slurm_partition:
         raise GptforgeError("--executor slurm needs --slurm-partition NAME (the partition its tasks run on)")
-    needs = {"datatrove": "datatrove", **({"ray": "datatrove,ray"} if engine.executor == "ray" else {})}
+    needs = {"datatrove": "datatrove", **({"ray": "ray"} if engine.executor == "ray" else {})}
     for module, extra in needs.items() if engine.name == "datatrove" else ():
         if importlib.util.find_spec(module) is None:
             raise GptforgeError(f"--engine datatrove needs {module}: pip install 'gptforge[{extra}]'")
