@@ -25,10 +25,11 @@ from pathlib import Path
 from gptforge.data import pipeline
 from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint
 from gptforge.data.filters import build_filters
+from gptforge.data.languages import parse_extensions
 from gptforge.data.pipeline import Job, judge
 from gptforge.data.prepare import is_validation, prepare
 from gptforge.data.report import Report
-from gptforge.data.sources import documents, stdlib_documents
+from gptforge.data.sources import documents, resolve, stdlib_documents
 
 CHANGED = (1, 3, 5, 10, 20)  # % of lines changed in the near copies
 LICENCE = "\n".join(
@@ -136,7 +137,7 @@ def corpora(folders: list[str], workers: int) -> dict:
     out = {}
     for name, docs in [
         ("stdlib", stdlib_documents),
-        *((f, lambda f=f: documents(f, None, extensions={".py"})) for f in folders),
+        *((f, lambda f=f: documents(*resolve(f, None), extensions=parse_extensions("py"))) for f in folders),
     ]:
         for clean in ("none", "code"):
             t = time.perf_counter()

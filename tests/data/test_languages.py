@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gptforge.data.languages import (
+    CONTAINERS,
     DEFAULT_EXTENSIONS,
     decode,
     is_binary,
@@ -71,13 +72,13 @@ def test_ext_lists_replace_the_defaults():
 
 def test_signed_ext_items_edit_the_defaults():
     edited = parse_extensions("+json,-md,-markdown")
-    assert edited == (DEFAULT_EXTENSIONS | {".json"}) - {".md", ".markdown"}
+    assert edited == (DEFAULT_EXTENSIONS | CONTAINERS | {".json"}) - {".md", ".markdown"}
 
 
 def test_ext_groups():
     code_only = parse_extensions("code")
     assert ".py" in code_only and ".md" not in code_only and ".json" not in code_only
-    assert parse_extensions("all,-data") == DEFAULT_EXTENSIONS
+    assert parse_extensions("all,-data") == DEFAULT_EXTENSIONS | CONTAINERS
     assert ".yaml" in parse_extensions("default,data")
 
 

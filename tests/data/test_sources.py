@@ -37,6 +37,24 @@ def test_text_jsonl_gzip_and_parquet_files(tmp_path):
     ]
 
 
+def test_ext_decides_whether_a_folder_s_jsonl_is_read(tmp_path):
+    from gptforge.data.languages import parse_extensions
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "a record"}) + "\n")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"no_text": 1}) + "\n")  # read, it would fail: --ext py skips it
+
+    def names(ext):
+        kw = {} if ext is None else {"extensions": parse_extensions(ext)}
+        return [name for name, _ in documents(str(tmp_path), "text", **kw) if not name.startswith("c.jsonl")]
+
+    assert names("py") == ["a.py"]
+    with pytest.raises(GptforgeError, match="c.jsonl:1"):
+        names(None)  # the default reads every JSONL file
+    (tmp_path / "c.jsonl").unlink()
+    assert names(None) == names("py,jsonl") == names("+go") == ["a.py", "b.jsonl:1"]
+
+
 def test_hf_dataset_streams_from_a_local_folder(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

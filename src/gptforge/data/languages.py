@@ -107,7 +107,11 @@ GROUPS: dict[str, frozenset[str]] = {
     **{kind: frozenset(key for key, lang in _KEYS.items() if KIND[lang] == kind) for kind in KINDS},
 }
 DEFAULT_EXTENSIONS: frozenset[str] = frozenset(key for key, lang in _KEYS.items() if KIND[lang] != "data")
+# Files of many documents (sources.py reads them): read by default, and under an --ext that names them or edits the
+# default (`--ext py` reads no JSONL; `--ext py,jsonl` and `--ext +go` do).
+CONTAINERS = frozenset({".jsonl", ".parquet"})
 GROUPS["default"] = DEFAULT_EXTENSIONS
+GROUPS["all"] = GROUPS["all"] | CONTAINERS
 
 
 def key_of(name: str) -> str | None:
@@ -147,7 +151,7 @@ def parse_extensions(value: str, flag: str = "--ext") -> frozenset[str]:
     if not all(items):
         raise GptforgeError(f"{flag} {value!r}: expected a comma-separated list like py,js,c or +go,-md")
     edit = all(item[0] in "+-" for item in items)
-    selected = set(DEFAULT_EXTENSIONS) if edit else set()
+    selected = set(DEFAULT_EXTENSIONS | CONTAINERS) if edit else set()
     for item in items:
         sign, body = (item[0], item[1:]) if item[0] in "+-" else ("+", item)
         keys = _keys_named(body, flag)
@@ -163,7 +167,7 @@ def _keys_named(body: str, flag: str) -> frozenset[str]:
     if body in FILENAMES:
         return frozenset({body})
     ext = "." + body.lstrip(".").lower()
-    if ext in EXTENSIONS:
+    if ext in EXTENSIONS or ext in CONTAINERS:
         return frozenset({ext})
     raise GptforgeError(
         f"{flag}: unknown file type {body!r} (expected an extension such as py or .rs, a file name such as "

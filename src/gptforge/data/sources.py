@@ -13,11 +13,10 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from gptforge.data.languages import DEFAULT_EXTENSIONS, decode, is_binary, selects
+from gptforge.data.languages import CONTAINERS, DEFAULT_EXTENSIONS, decode, is_binary, selects
 from gptforge.errors import GptforgeError
 from gptforge.files import format_suffix, read_jsonl, read_text, reading
 
-CONTAINERS = {".jsonl", ".parquet"}  # files of many documents; every other file read is one document
 # Files that mark a folder written by `datasets`' save_to_disk (a Dataset's, a DatasetDict's).
 SAVED_DATASET = ("state.json", "dataset_dict.json", "dataset_info.json")
 # Named sources: (SOURCE, text field). Both stream from the Hugging Face hub.
@@ -117,7 +116,9 @@ def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list
         raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
     files, seen = [], set()
     for path, name in sorted(named):
-        read = format_suffix(path) in CONTAINERS or selects(path.name, extensions)
+        suffix = format_suffix(path)
+        container = suffix in CONTAINERS and (suffix in extensions or extensions == DEFAULT_EXTENSIONS)
+        read = container or selects(path.name, extensions)
         if read and path.is_file() and path.resolve() not in seen:
             seen.add(path.resolve())
             files.append((path, name))
