@@ -26,6 +26,8 @@ def planted(corpus_dir, tmp_path_factory):
     lines = files[5].read_text().splitlines()
     (src / "zz_near.py").write_text("\n".join([*lines[:-1], lines[-1] + "  # edited"]))
     (src / "zz_minified.py").write_text("x=[" + ",".join(f"v{i}" for i in range(900)) + "]\n")
+    (src / "zz_blob.py").write_bytes(b"\x00\x01binary\x00" * 50)  # skipped: the report must count it alike
+    (src / "zz_latin1.py").write_bytes("s = 'café'\n".encode("latin-1"))
     return src
 
 
@@ -40,6 +42,7 @@ def test_datatrove_tasks_write_the_local_engine_s_shards_byte_for_byte(planted, 
     stages = local["report"]["stages"]
     assert stages["exact duplicates"]["docs"] == 1 and stages["near duplicates"]["docs"] == 1
     assert stages["filtered"]["docs"] == 1 and len(local["shards"]) > 2
+    assert stages["binary skipped"]["docs"] == 1 and stages["undecodable skipped"]["docs"] == 1
     for tasks in (1, 3):
         m = prepare(str(planted), tmp_path / f"dt{tasks}", engine=EngineSettings("datatrove", tasks), **args)
         assert _result(m) == _result(local), tasks
@@ -59,12 +62,12 @@ def test_a_datatrove_run_stopped_midway_reruns_only_its_unfinished_tasks(planted
     out, real, seen = tmp_path / "out", engine.datatrove_outcomes, []
     work = out / ".datatrove"
 
-    def killed_after_the_tasks(share, settings):
-        yield next(real(share, settings))
+    def killed_after_the_tasks(*args):
+        yield next(real(*args))
         raise KeyboardInterrupt
 
-    def watched(share, settings):
-        batches = real(share, settings)
+    def watched(*args):
+        batches = real(*args)
         first = next(batches)  # the executor has run the unfinished tasks by now
         seen.append({p.name: p.stat().st_mtime_ns for p in work.glob("0000*.jsonl")})
         yield first

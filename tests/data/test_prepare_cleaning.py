@@ -199,10 +199,14 @@ def test_code_in_any_language_is_read_with_its_language_and_binary_files_are_ski
     (src / "srv.go").write_text("package main\nfunc main() {}\n")
     (src / "blob.py").write_bytes(b"\x00\x01binary\x00" * 100)  # a .py by name, binary by content
     (src / "data.json").write_text('{"a": 1}')  # data files are read only when --ext asks
+    (src / "legacy.py").write_bytes("# -*- coding: latin-1 -*-\nname = 'café'\n".encode("latin-1"))  # not UTF-8
     m = prepare(str(src), tmp_path / "out", val_fraction=0, workers=1)
     languages = m["report"]["languages"]
     assert languages == {lang: {"read": 1, "kept": 1} for lang in ("C", "Go", "JavaScript")}
     assert m["report"]["stages"]["binary skipped"] == {"docs": 1, "bytes": 900}
+    assert m["report"]["stages"]["undecodable skipped"] == {"docs": 1, "bytes": 40}
+    with pytest.raises(GptforgeError, match=r"legacy\.py: expected UTF-8 text"):  # named alone, it is the corpus
+        prepare(str(src / "legacy.py"), tmp_path / "alone", val_fraction=0, workers=1)
     only_go = prepare(str(src), tmp_path / "go", val_fraction=0, workers=1, ext="go,json")
     assert set(only_go["report"]["languages"]) == {"Go", "JSON"} and only_go["settings"]["ext"] == [".go", ".json"]
 

@@ -90,7 +90,9 @@ def encode_share(share: Share, rank: int, world_size: int) -> int:
     Every task reads the listing (a document's index counts the documents with text before it); the per-document
     work, the costly part, is what is split."""
     pipeline.load_worker(share.spec, share.ngrams, share.filters, share.dedup)
-    docs = (d for d in documents(share.source, share.text_field, extensions=share.extensions) if d[1].strip())
+    skipped: list[tuple[str, int, str]] = []
+    listing = documents(share.source, share.text_field, extensions=share.extensions, skipped=skipped)
+    docs = (d for d in listing if d[1].strip())
     jobs = (
         Job(i, "val" if pipeline.is_validation(n, i, share.val_fraction, share.seed) else "train", n, t, tokenize=True)
         for i, (n, t) in enumerate(docs)
@@ -102,6 +104,8 @@ def encode_share(share: Share, rank: int, world_size: int) -> int:
         records += [_record(o) for o in outcomes]
         parts.append(tokens)
     base = Path(share.work) / f"{rank:05d}"
+    if rank == 0:  # every task reads the listing: one says what it skipped
+        Path(f"{base}.skipped.json").write_text(json.dumps(skipped))
     tmp = base.with_suffix(".tmp.npy")
     np.save(tmp, np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16))
     Path(f"{base}.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -121,8 +125,11 @@ def _encode_step(share: Share, data: Any, rank: int = 0, world_size: int = 1) ->
     yield from ()
 
 
-def datatrove_outcomes(share: Share, engine: EngineSettings) -> Iterator[tuple[list[Outcome], np.ndarray]]:
-    """Run the tasks not yet complete on the executor, then every document's outcome and tokens in document order."""
+def datatrove_outcomes(
+    share: Share, engine: EngineSettings, skipped: list[tuple[str, int, str]]
+) -> Iterator[tuple[list[Outcome], np.ndarray]]:
+    """Run the tasks not yet complete on the executor, then every document's outcome and tokens in document order;
+    the files the reading skipped go to `skipped` (task 0 lists them)."""
     work = Path(share.work)
     work.mkdir(parents=True, exist_ok=True)
     logs = str(work / "logs")
@@ -157,6 +164,7 @@ def datatrove_outcomes(share: Share, engine: EngineSettings) -> Iterator[tuple[l
             f"{len(missing)} of {engine.tasks} datatrove tasks did not finish (their logs: {logs}); run the same "
             "command again: the finished ones are kept"
         )
+    skipped.extend(tuple(s) for s in json.loads((work / "00000.skipped.json").read_text()))
     streams = [_read_task(work / f"{r:05d}") for r in range(engine.tasks)]
     for outcome, tokens in heapq.merge(*streams, key=lambda pair: pair[0].index):
         yield [outcome], tokens

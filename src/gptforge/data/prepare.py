@@ -132,7 +132,7 @@ def prepare(
     cleaning = clean_settings(clean_set)
     source, text_field = resolve(source, text_field)
     extensions = parse_extensions(ext) if ext is not None else DEFAULT_EXTENSIONS
-    skipped: list[tuple[str, int]] = []  # binary files, filled as the documents are read
+    skipped: list[tuple[str, int, str]] = []  # (name, bytes, why): filled as the documents are read
     docs = documents(source, text_field, extensions=extensions, skipped=skipped)  # a missing source fails here
     out = Path(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
@@ -230,7 +230,7 @@ def _check_flags(
 
 
 def _build(
-    read: tuple[Iterator[Document], list[tuple[str, int]]],
+    read: tuple[Iterator[Document], list[tuple[str, int, str]]],
     out: Path,
     settings: PrepareSettings,
     given: Tokenizer | None,
@@ -253,10 +253,9 @@ def _build(
         for split, w in writers.items():
             w.restore([s for s in progress["shards"] if s["split"] == split])
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
-    docs, skipped = read
-    report = _tokenize(docs, tok, ngrams, writers, settings, out, _Run(workers, engine))
-    for _, n_bytes in skipped:
-        report.count("binary skipped", n_bytes)
+    report = _tokenize(read, tok, ngrams, writers, settings, out, _Run(workers, engine))
+    for _, n_bytes, why in read[1]:
+        report.count(f"{why} skipped", n_bytes)
     _check_kept(settings, writers, report)
     if settings.decontaminate:
         print(
@@ -310,7 +309,7 @@ class _Run:
 
 
 def _tokenize(
-    docs: Iterator[Document],
+    read: tuple[Iterator[Document], list[tuple[str, int, str]]],
     tok: Tokenizer,
     ngrams: frozenset[int],
     writers: dict[str, ShardWriter],
@@ -320,7 +319,8 @@ def _tokenize(
 ) -> Report:
     """Judge every document in order and tokenize those kept that are not yet in a shard into the writers,
     saving progress after each shard. Documents already in shards are judged again (not written), so the
-    deduplicator and the report are rebuilt exactly on resume."""
+    deduplicator and the report are rebuilt exactly on resume. `read`: the documents, and the files skipped."""
+    docs, skipped = read
 
     def jobs() -> Iterator[Job]:
         for index, (name, text) in enumerate(docs):  # documents with text (`_checked_inputs`)
@@ -336,7 +336,7 @@ def _tokenize(
     if run.engine.name == "datatrove":
         share = Share(settings.source, settings.text_field, frozenset(settings.extensions), settings.val_fraction,
                       settings.seed, spec, ngrams, filters, settings.dedup, str(out / WORK_DIR))  # fmt: skip
-        batches = datatrove_outcomes(share, run.engine)
+        batches = datatrove_outcomes(share, run.engine, skipped)
     else:
         batches = _local_outcomes(jobs(), spec, ngrams, filters, settings.dedup, run.workers)
     dedup, report, names = Deduplicator(settings.dedup), Report(), {}

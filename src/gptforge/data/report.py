@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SAMPLES = 10  # removed pairs and filtered documents shown in report.md
-STAGES = ("read", "binary skipped", "filtered", "exact duplicates", "near duplicates", "decontaminated", "kept")
+STAGES = (
+    "read",
+    "binary skipped",
+    "undecodable skipped",
+    "filtered",
+    "exact duplicates",
+    "near duplicates",
+    "decontaminated",
+    "kept",
+)
 
 
 @dataclass

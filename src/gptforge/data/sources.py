@@ -39,17 +39,18 @@ def documents(
     source: str,
     text_field: str = "text",
     extensions: frozenset[str] = DEFAULT_EXTENSIONS,
-    skipped: list[tuple[str, int]] | None = None,
+    skipped: list[tuple[str, int, str]] | None = None,
 ) -> Iterator[Document]:
     """Documents of a `prepare` SOURCE; a missing path fails here, before any work starts. A folder or glob
-    reads the files `extensions` selects (languages.py); binary or undecodable files go to `skipped` as
-    (name, bytes) instead."""
+    reads the files `extensions` selects (languages.py); binary files, and text in no encoding we read, go to
+    `skipped` as (name, bytes, 'binary' or 'undecodable') instead (a file named as the source itself that is
+    not UTF-8 is an error naming it)."""
     if source == "stdlib":
         return stdlib_documents()
     if source.startswith("hf:"):
         return hf_documents(source[3:], text_field)
-    files = _files(source, extensions)
-    return (doc for path, name in files for doc in _file_documents(path, name, text_field, skipped))
+    files, named = _files(source, extensions), Path(source).is_file()
+    return (doc for path, name in files for doc in _file_documents(path, name, text_field, skipped, strict=named))
 
 
 def source_bytes(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> int | None:
@@ -153,7 +154,7 @@ def _glob(pattern: str) -> list[Path]:
 
 
 def _file_documents(
-    path: Path, name: str, text_field: str, skipped: list[tuple[str, int]] | None = None
+    path: Path, name: str, text_field: str, skipped: list[tuple[str, int, str]] | None = None, strict: bool = True
 ) -> Iterator[Document]:
     kind = format_suffix(path)
     if kind == ".parquet":
@@ -166,11 +167,12 @@ def _file_documents(
         with reading(path):
             data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         text = decode(data)
-        if text is None and not is_binary(data):
-            text = read_text(path)  # text in no encoding we read: one line naming the file, as before
-        if text is None:  # binary by content, whatever its name
+        why = "binary" if is_binary(data) else "undecodable"
+        if text is None and why == "undecodable" and strict:
+            text = read_text(path)  # the source itself in no encoding we read: one line naming it
+        if text is None:  # binary by content whatever its name, or one undecodable file of many
             if skipped is not None:
-                skipped.append((name, len(data)))
+                skipped.append((name, len(data), why))
             return
         yield name, text
 
