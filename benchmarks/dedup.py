@@ -128,7 +128,7 @@ def _judged(docs: Iterator[tuple[str, str]], clean: str, val_fraction: float, wo
         "val_bytes": sum(o.n_bytes for o in val),
         "val_leaked_docs": len(leaked),
         "val_leaked_bytes": sum(o.n_bytes for o in leaked),
-        "leaked_examples": [(o.name, names.get(train_only.match(o.fingerprint).of, "?")) for o in leaked[:5]],
+        "leaked_examples": [(o.name, docs[train_only.match(o.fingerprint).of][0]) for o in leaked[:5]],
     }
 
 
