@@ -33,7 +33,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
     write_corpus(Path("my_corpus"), 500)  # 1% held out: 5 files, enough for a validation batch
     commands = walkthrough()
     assert [c[:2] for c in commands] == [
-        ["gptforge", name] for name in ("prepare", "train", "serve", "sample", "eval", "export")
+        ["gptforge", name] for name in ("prepare", "train", "serve", "sample", "eval", "export", "export")
     ]
     server = None
     try:
@@ -54,6 +54,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
         out = capsys.readouterr().out
         assert "def parse_args(" in out and "removed:" in out and "val" in out
         assert (tmp_path / "data/mine/report.md").is_file() and (tmp_path / "hf/mine/config.json").is_file()
+        assert (tmp_path / "mine.gguf").read_bytes()[:4] == b"GGUF"
     finally:
         if server is not None:
             server.terminate()

@@ -15,6 +15,7 @@ from pathlib import Path
 from gptforge import __version__
 from gptforge.errors import GptforgeError
 from gptforge.files import to_json
+from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES
 from gptforge.runtime.allocator import keep_freed_memory
 
@@ -141,8 +142,15 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from gptforge.hub.publish import export_checkpoint
+    from gptforge.hub.publish import export_checkpoint, export_gguf
 
+    if args.format == "gguf":
+        if args.push:
+            raise GptforgeError("--push: only with --format hf (commit a GGUF file to a repository yourself)")
+        print(export_gguf(args.checkpoint, args.out, args.gguf_type or "f32", args.force))
+        return
+    if args.gguf_type:
+        raise GptforgeError(f"--gguf-type {args.gguf_type}: only with --format gguf")
     for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message, args.force):
         print(line)
 
@@ -412,9 +420,17 @@ def _add_checkpoint_commands(sub) -> None:
     _add_compute_flags(s)
     s.set_defaults(func=cmd_sample)
 
-    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee)")
+    s = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee) or a GGUF file"
+    )
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
-    s.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer)")
+    s.add_argument(
+        "--out", required=True, help="output folder (config.json, model.safetensors, tokenizer), or the .gguf file"
+    )
+    s.add_argument(
+        "--format", choices=EXPORT_FORMATS, default="hf", help="hf: a transformers folder; gguf: llama.cpp/Ollama"
+    )
+    s.add_argument("--gguf-type", choices=tuple(GGUF_FILE_TYPES), help="weights in the GGUF file (default f32)")
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
     s.add_argument("--branch", help="branch to push to (default: the run folder's name)")
     s.add_argument("--message", help="commit message (default: 'step N')")

@@ -188,6 +188,20 @@ def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] =
         )
 
 
+def check_output_file(out: str | Path, force: bool, flag: str = "--out") -> None:
+    """Refuse an output file path that is a folder, whose folder is missing, or that exists without `force`."""
+    out = Path(out)
+    if out.is_dir():
+        raise GptforgeError(f"{flag} {out}: is a folder (expected a file name to write)")
+    if not out.parent.is_dir():
+        raise GptforgeError(f"{flag} {out}: no folder {out.parent} to write it in")
+    if out.exists() and not force:
+        raise GptforgeError(
+            f"{flag} {out}: exists; pick another name, or pass --force to replace it "
+            "(the old file is replaced only once the new one is complete)"
+        )
+
+
 _held: set[Path] = set()
 
 

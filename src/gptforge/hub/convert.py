@@ -230,7 +230,7 @@ def _merge_lines(text: str) -> list[str]:
 
 
 @functools.cache
-def _gpt2_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
+def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
     return json.loads(read_text(_gpt2_data("encoder.json"))), _merge_lines(read_text(_gpt2_data("vocab.bpe")))
 
 
@@ -240,13 +240,13 @@ def _is_gpt2_bpe(path: Path) -> bool:
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("merges"), list):
         return False
     merges = [" ".join(m) if isinstance(m, list) and all(isinstance(p, str) for p in m) else m for m in model["merges"]]
-    return (model.get("vocab"), merges) == _gpt2_vocab_and_merges()
+    return (model.get("vocab"), merges) == gpt2_vocab_and_merges()
 
 
 def _tokenizer_name(hf_dir: Path, cfg: GPTConfig) -> str:
     """'gpt2' (vocab.json + merges.txt, a tokenizer.json, or no files and GPT-2's vocab_size) or a tokenizer.json."""
     vocab, merges, tokenizer_json = (folder_file(hf_dir, n) for n in ("vocab.json", "merges.txt", "tokenizer.json"))
-    gpt2_vocab, gpt2_merges = _gpt2_vocab_and_merges()
+    gpt2_vocab, gpt2_merges = gpt2_vocab_and_merges()
     if vocab.is_file() and read_json(vocab, dict, "an object of token: id") == gpt2_vocab:
         if merges.is_file() and _merge_lines(read_text(merges)) != gpt2_merges:
             raise GptforgeError(f"{merges}: not GPT-2's merges, though vocab.json is GPT-2's (expected both GPT-2's)")

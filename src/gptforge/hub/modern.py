@@ -75,7 +75,7 @@ GPT2_HAS = {
 }
 
 
-def _option(key: str, value: Any) -> str:
+def option_text(key: str, value: Any) -> str:
     return f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
 
 
@@ -88,10 +88,10 @@ def model_type(cfg: GPTConfig) -> str:
     """The HF architecture a non-GPT-2 model exports to; anything it cannot be is one line naming the option."""
     if (cfg.norm, cfg.position, cfg.mlp) == ("layernorm", "learned", "gelu"):
         key = next(k for k, (value, _) in GPT2_HAS.items() if getattr(cfg, k) != value)
-        raise GptforgeError(f"{_option(key, getattr(cfg, key))}: {GPT2_HAS[key][1]}; {SUPPORTED}")
+        raise GptforgeError(f"{option_text(key, getattr(cfg, key))}: {GPT2_HAS[key][1]}; {SUPPORTED}")
     for key, (value, why) in MODERN_NEEDS.items():
         if getattr(cfg, key) != value and not (key == "mlp" and cfg.mlp == "relu2"):
-            raise GptforgeError(f"{_option(key, getattr(cfg, key))}: {why}; {SUPPORTED}")
+            raise GptforgeError(f"{option_text(key, getattr(cfg, key))}: {why}; {SUPPORTED}")
     if cfg.qk_norm and cfg.bias:
         raise GptforgeError(
             "model.bias=true with model.qk_norm=true: Qwen3 and Apertus have no MLP biases; " + SUPPORTED

@@ -9,7 +9,7 @@ from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_check
 from gptforge.config import Config
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import check_output_dir
+from gptforge.files import check_output_dir, check_output_file
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.git import push_folder
 from gptforge.model.gpt import GPT
@@ -38,6 +38,24 @@ def export_checkpoint(
             raise GptforgeError(f"wrote {out}, but the push failed: {e}") from None
         done.append(f"pushed {commit[:12]} to {push} branch {branch}")
     return done
+
+
+def export_gguf(checkpoint: str | Path, out: str | Path, gguf_type: str = "f32", force: bool = False) -> str:
+    """`gptforge export --format gguf`: a checkpoint (or a run's newest) as one GGUF file for llama.cpp, named
+    after its run folder; an existing `out` is replaced (atomically) only with `force`."""
+    from gptforge.hub.gguf_export import write_gguf
+
+    try:
+        import gguf  # noqa: F401
+    except ModuleNotFoundError:
+        raise GptforgeError("--format gguf needs llama.cpp's writer: pip install 'gptforge[gguf]'") from None
+    ckpt = resolve_checkpoint(checkpoint)
+    check_output_file(out, force)
+    model, tok, _, meta = load_checkpoint(ckpt)
+    name = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
+    path = write_gguf(model, tok, Path(out), gguf_type, name)
+    size = path.stat().st_size / 2**20
+    return f"wrote {path} ({gguf_type}, {size:.1f} MiB, step {meta['step']}): run it with llama-cli -m {path}"
 
 
 def export_and_push(model: GPT, tokenizer: Tokenizer, remote: str, branch: str, message: str) -> str:
