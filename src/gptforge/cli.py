@@ -23,7 +23,7 @@ PACKAGE = str(Path(__file__).parent)
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
 THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
-FORCE_HELP = "replace a non-empty --out folder (the old one is removed only once the new one is complete)"
+FORCE_HELP = "replace a non-empty --out folder or file (the old one is removed only once the new one is complete)"
 
 
 class Parser(argparse.ArgumentParser):
@@ -145,12 +145,15 @@ def cmd_export(args: argparse.Namespace) -> None:
     from gptforge.hub.publish import export_checkpoint, export_gguf
 
     if args.format == "gguf":
-        if args.push:
-            raise GptforgeError("--push: only with --format hf (commit a GGUF file to a repository yourself)")
+        for flag in ("push", "branch", "message"):
+            if getattr(args, flag):
+                raise GptforgeError(f"--{flag}: only with --format hf (commit a GGUF file to a repository yourself)")
         print(export_gguf(args.checkpoint, args.out, args.gguf_type or "f32", args.force))
         return
     if args.gguf_type:
         raise GptforgeError(f"--gguf-type {args.gguf_type}: only with --format gguf")
+    if Path(args.out).suffix.lower() == ".gguf":
+        raise GptforgeError(f"--out {args.out}: a .gguf name for a Hugging Face folder; add --format gguf")
     for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message, args.force):
         print(line)
 

@@ -146,6 +146,8 @@ def writing(target: Path) -> Iterator[None]:
         raise
     except OSError as e:
         where = e.filename if e.filename and ".tmp" not in str(e.filename) else target  # not our temp names
+        if e.errno is None and _disk_full(target, e):  # numpy's short write: "N requested and M written"
+            raise GptforgeError(f"cannot write {where}: No space left on device ({e})") from None
         raise GptforgeError(f"cannot write {where}: {e.strerror or e}") from None
     except Exception as e:
         if not _disk_full(target, e):
@@ -188,14 +190,18 @@ def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] =
         )
 
 
-def check_output_file(out: str | Path, force: bool, flag: str = "--out") -> None:
-    """Refuse an output file path that is a folder, whose folder is missing, or that exists without `force`."""
+def check_output_file(out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out") -> None:
+    """Refuse an output file path inside a folder the command reads (always), a folder, one whose folder is missing,
+    or one that exists (a dangling link too) without `force`."""
     out = Path(out)
+    for source in reads:
+        if Path(source).resolve() in out.resolve().parents:
+            raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")
     if out.is_dir():
         raise GptforgeError(f"{flag} {out}: is a folder (expected a file name to write)")
     if not out.parent.is_dir():
         raise GptforgeError(f"{flag} {out}: no folder {out.parent} to write it in")
-    if out.exists() and not force:
+    if (out.exists() or out.is_symlink()) and not force:
         raise GptforgeError(
             f"{flag} {out}: exists; pick another name, or pass --force to replace it "
             "(the old file is replaced only once the new one is complete)"

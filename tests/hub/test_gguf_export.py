@@ -4,6 +4,7 @@ q8_0 within a stated bits-per-byte margin of f32; the file's metadata; refusals 
 import contextlib
 import math
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -177,6 +178,11 @@ def checkpoint(tmp_path):
     "flags, message",
     [
         (["--format", "gguf", "--push", "remote"], "--push: only with --format hf"),
+        (["--format", "gguf", "--branch", "b"], "--branch: only with --format hf"),
+        (["--out", "{tmp}/new.gguf"], "--out {tmp}/new.gguf: a .gguf name for a Hugging Face folder; add --format"),
+        (["--format", "gguf", "--out", "{tmp}/ckpt/model.safetensors", "--force"], "which this command reads"),
+        (["--format", "gguf", "--out", "{tmp}/ckpt/new.gguf"], "which this command reads"),
+        (["--format", "gguf", "--out", "{tmp}/dangling.gguf"], "exists; pick another name"),
         (["--gguf-type", "q8_0"], "--gguf-type q8_0: only with --format gguf"),
         (["--format", "gguf", "--out", "{tmp}"], "is a folder"),
         (["--format", "gguf", "--out", "{tmp}/missing/m.gguf"], "no folder"),
@@ -185,12 +191,15 @@ def checkpoint(tmp_path):
 )
 def test_bad_export_flags_are_one_line_and_touch_nothing(tmp_path, capsys, flags, message):
     ckpt = checkpoint(tmp_path)
+    before = {p: p.read_bytes() for p in ckpt.iterdir()}
     (tmp_path / "old.gguf").write_bytes(b"keep me")
+    (tmp_path / "dangling.gguf").symlink_to(tmp_path / "nowhere")
     flags = [f.format(tmp=tmp_path) for f in flags]
     out = [] if "--out" in flags else ["--out", str(tmp_path / "new.gguf")]
     assert main(["export", str(ckpt), *flags, *out]) == 1
-    assert message in capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
     assert (tmp_path / "old.gguf").read_bytes() == b"keep me" and not (tmp_path / "new.gguf").exists()
+    assert {p: p.read_bytes() for p in ckpt.iterdir()} == before and (tmp_path / "dangling.gguf").is_symlink()
 
 
 def test_force_replaces_the_file_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
@@ -207,6 +216,36 @@ def test_force_replaces_the_file_only_once_the_new_one_is_complete(tmp_path, mon
     monkeypatch.undo()
     assert main(["export", str(ckpt), "--format", "gguf", "--out", str(out), "--force"]) == 0
     assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "gpt2"
+
+
+@pytest.mark.parametrize("where, given", [("run", "."), ("run/checkpoints", "step_000003"), ("run/checkpoints", "..")])
+def test_the_name_is_the_run_folder_s_however_the_path_is_written(tmp_path, monkeypatch, where, given):
+    model = tiny_model()
+    write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000003", model, None, Config(model=model.config),
+                     load_tokenizer("gpt2"), {"step": 3})  # fmt: skip
+    monkeypatch.chdir(tmp_path / where)
+    assert main(["export", given, "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.name"].contents() == "run"
+
+
+def test_a_killed_export_s_temp_file_is_cleared_by_the_next(tmp_path):
+    stale = tmp_path / ".m.gguf.tmp.999999999"  # no such process
+    stale.write_bytes(b"half a model")
+    write_gguf(tiny_model(), load_tokenizer("gpt2"), tmp_path / "m.gguf", "f32", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_full_disk_is_named_as_one(tmp_path, monkeypatch, capsys):
+    ckpt = checkpoint(tmp_path)
+
+    def short_write(*args):  # what numpy's tofile raises on a full disk: an OSError without an errno
+        raise OSError("1048576 requested and 573192 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
+    monkeypatch.setattr("gptforge.files.shutil.disk_usage", lambda path: SimpleNamespace(free=0))
+    assert main(["export", str(ckpt), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.is_file()]
 
 
 def test_a_tokenizer_llama_cpp_cannot_reproduce_is_refused(tmp_path):

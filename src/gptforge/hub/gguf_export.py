@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ import torch
 
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import usual_mode, writing
+from gptforge.files import stale_temp_files, usual_mode, writing
 from gptforge.hub import GGUF_FILE_TYPES, modern
 from gptforge.hub.convert import gpt2_vocab_and_merges
 from gptforge.model.gpt import GPT, GPTConfig
@@ -88,7 +89,8 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> GGUFVocab:
     tokens = sorted(vocab, key=vocab.__getitem__)
     if [vocab[t] for t in tokens] != list(range(len(tokens))) or len(tokens) > vocab_size:
         raise GptforgeError(
-            f"tokenizer {tokenizer.name}: ids are not 0..{len(tokens) - 1} within the model's {vocab_size:,} rows"
+            f"tokenizer {tokenizer.path or tokenizer.name}: ids are not 0..{len(tokens) - 1} within the model's "
+            f"{vocab_size:,} rows"
         )
     types = [TOKEN_CONTROL if t == EOT_TEXT else TOKEN_NORMAL for t in tokens]
     padding = range(len(tokens), vocab_size)
@@ -184,6 +186,7 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, out: Path, gguf_type: str, name
     arch = gguf_arch(cfg)
     vocab = gguf_vocab(tokenizer, cfg.vocab_size)
     tensors = gguf_tensors(model, arch)
+    _remove_stale_temp_files(out)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")  # as files.atomic_write names it
     try:
         with writing(out):
@@ -200,10 +203,24 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, out: Path, gguf_type: str, name
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
             writer.close()
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
             tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     return usual_mode(out)
+
+
+def _remove_stale_temp_files(out: Path) -> None:
+    """Delete what an export to `out` killed mid-write left (its temp file names a process no longer running)."""
+    for path in stale_temp_files(out.parent, re.escape(out.name)):
+        pid = int(path.name.rsplit(".", 1)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # another user's live process
 
 
 def _add_hyperparameters(writer: gguf.GGUFWriter, cfg: GPTConfig, arch: str, name: str) -> None:

@@ -31,13 +31,18 @@ def export_checkpoint(
     out = export_hf(model, tok, out_dir)
     done = [f"wrote {out} (config.json, model.safetensors, tokenizer files)"]
     if push:
-        branch = branch or resolve_checkpoint(checkpoint).parent.parent.name
+        branch = branch or run_name(resolve_checkpoint(checkpoint).resolve())
         try:
             commit = push_folder(out, push, branch, message or f"step {meta['step']}")
         except GptforgeError as e:
             raise GptforgeError(f"wrote {out}, but the push failed: {e}") from None
         done.append(f"pushed {commit[:12]} to {push} branch {branch}")
     return done
+
+
+def run_name(ckpt: Path) -> str:
+    """The run folder's name for RUN/checkpoints/step_N (resolved), else the checkpoint folder's own."""
+    return ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
 
 
 def export_gguf(checkpoint: str | Path, out: str | Path, gguf_type: str = "f32", force: bool = False) -> str:
@@ -49,11 +54,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, gguf_type: str = "f32",
         import gguf  # noqa: F401
     except ModuleNotFoundError:
         raise GptforgeError("--format gguf needs llama.cpp's writer: pip install 'gptforge[gguf]'") from None
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_file(out, force)
+    ckpt = resolve_checkpoint(checkpoint).resolve()
+    check_output_file(out, force, reads=[ckpt])
     model, tok, _, meta = load_checkpoint(ckpt)
-    name = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
-    path = write_gguf(model, tok, Path(out), gguf_type, name)
+    path = write_gguf(model, tok, Path(out), gguf_type, run_name(ckpt))
     size = path.stat().st_size / 2**20
     return f"wrote {path} ({gguf_type}, {size:.1f} MiB, step {meta['step']}): run it with llama-cli -m {path}"
 
