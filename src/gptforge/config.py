@@ -110,7 +110,7 @@ class TrainConfig:
     """Stop after this many steps in a row with a non-finite loss or gradient (each is skipped, not applied)."""
     threads: int = 0
     """CPU threads per process (0: torch's count, one per core). On busy cores fewer can be faster: a run whose
-    matmuls measure far below an idle core's speed says so, with how one thread compares."""
+    threads barely outrun one thread at matmuls, or measure far below an idle core's speed, says so."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU (0: from the GPU table, or a matmul probe on CPU)."""
     init_from: str = ""

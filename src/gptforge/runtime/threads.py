@@ -9,6 +9,11 @@ import torch
 # Below this many matmul FLOP/s per thread a core is shared or throttled: an idle x86-64 or ARMv8 core of the last
 # decade sustains several times more (this workplace's 2-core hosts measured 58-143 GFLOP/s a core in fp32).
 BUSY_FLOPS_PER_THREAD = 10e9
+# Below this, a process's threads share cores with other work: on an idle 2-core AMD EPYC two threads ran 512-square
+# matmuls 1.9-2.0x as fast as one; beside one or two busy processes 0.6-0.75x, where training with one thread was
+# 1.17-1.5x faster than with two (benchmarks/RESULTS.md, issue 24). So the default stays one thread per core, and
+# a run on shared cores says so.
+BUSY_SCALING = 1.2
 
 
 def use_threads(requested: int) -> None:
@@ -41,17 +46,21 @@ def slowed_by_load(peak: float) -> bool:
 
 
 def busy_warning(peak: float, dtype: torch.dtype) -> str | None:
-    """A line when the measured matmul peak is far below what this process's idle threads give (and, with several
-    threads, how one compares, since on busy cores each parallel op waits for its slowest thread), else None."""
+    """A line when this process's threads share busy cores (several threads barely outrun one) or the measured
+    matmul peak is far below an idle core's, else None."""
     threads = torch.get_num_threads()
+    if threads > 1:
+        scaling = sustained_matmul_flops(threads, dtype, seconds=0.1) / sustained_matmul_flops(1, dtype, seconds=0.1)
+        if scaling < BUSY_SCALING:
+            return (
+                f"warning: {threads} threads ran matmuls {scaling:.2f}x as fast as one (about {threads}x on idle "
+                "cores): other work shares these cores, so training will be slow; try train.threads=1 (--threads 1 "
+                "for eval and sample), or a quieter machine"
+            )
     if not slowed_by_load(peak):
         return None
-    advice = "a quieter machine"
-    if threads > 1:
-        ratio = sustained_matmul_flops(1, dtype) / sustained_matmul_flops(threads, dtype)
-        advice = f"train.threads=1 (one thread ran matmuls {ratio:.2f}x as fast as {threads}), or a quieter machine"
     return (
         f"warning: matmuls ran at {peak / 1e9:.0f} GFLOP/s on {threads} thread{'s' if threads > 1 else ''}, far "
         f"below an idle core's (over {BUSY_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s each): the machine is busy or "
-        f"throttled, so training will be slow; try {advice}"
+        "throttled, so training will be slow; try a quieter machine"
     )
