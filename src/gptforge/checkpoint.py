@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from gptforge.config import Config, config_from_dict, to_dict
+from gptforge.data.fim import with_fim
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, usual_mode, write_json, writing
@@ -227,7 +228,8 @@ def load_checkpoint(
     cfg = config_from_dict(meta["config"])
     model = GPT(cfg.model)
     _load_weights(model, ckpt, device)
-    return model.to(device).eval(), load_tokenizer(meta["tokenizer"], ckpt), cfg, meta
+    tokenizer = with_fim(load_tokenizer(meta["tokenizer"], ckpt), cfg.data.fim_rate)
+    return model.to(device).eval(), tokenizer, cfg, meta
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:

@@ -130,6 +130,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
         device=args.device,
         use_cache=not args.no_cache,
         dtype=args.dtype,
+        suffix=args.suffix,
     )
     at_line_start = True
     try:
@@ -413,6 +414,9 @@ def _add_checkpoint_commands(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a checkpoint")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
+    s.add_argument(
+        "--suffix", help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs)"
+    )
     s.add_argument("-n", "--num-samples", type=_at_least(1), default=1, help="samples per prompt")
     s.add_argument("--max-new-tokens", type=_at_least(1), default=128)
     s.add_argument("--temperature", type=_at_least(0.0, float), default=0.8, help="0 = greedy")

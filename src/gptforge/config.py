@@ -43,6 +43,12 @@ class DataConfig:
     in every stretch of training; its val split is scored on its own (val `loss/NAME`, `bpb/NAME`)."""
     shuffle: bool = True
     """Serve training windows in a seeded random order each epoch (else in corpus order)."""
+    fim_rate: float = 0.0
+    """Fill-in-the-middle: the share of training documents rearranged as prefix/suffix/middle with sentinel tokens
+    as batches are read (StarCoder: 0.5), so the model learns to infill (`sample --suffix`). Validation stays
+    left to right."""
+    fim_spm_rate: float = 0.5
+    """Of the rearranged documents, the share in suffix-prefix-middle order (the rest prefix-suffix-middle)."""
 
 
 SCHEDULES = ("cosine", "wsd", "constant")  # optim.lr_at computes each
@@ -264,6 +270,8 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.optimizer": _one_of("adamw", "muon"),
     "optim.muon_lr": _POSITIVE,
     "optim.muon_momentum": _within(0, 1),
+    "data.fim_rate": _within(0, 1, high_ok=True),
+    "data.fim_spm_rate": _within(0, 1, high_ok=True),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _at_least(1),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),

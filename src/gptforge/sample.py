@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
+from gptforge.data.fim import FIMTokenizer, infill_prompt
+from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
 
@@ -23,20 +25,28 @@ def sample_texts(
     device: str = "auto",
     use_cache: bool = True,
     dtype: str = "auto",
+    suffix: str | None = None,
 ) -> Iterator[str]:
     """Load the checkpoint (a bad one fails here), then yield text to print as it is generated: a
-    `--- sample N` line, the prompt, its continuation and a newline, for each sample of each prompt."""
+    `--- sample N` line, the prompt, its continuation (with `suffix`: the middle, then the suffix) and a newline,
+    for each sample of each prompt."""
     run = load_for_inference(checkpoint, device, dtype)
+    if suffix is not None and not isinstance(run.tokenizer, FIMTokenizer):
+        raise GptforgeError(
+            f"--suffix: {checkpoint} was trained without fill-in-the-middle (data.fim_rate=0), so it cannot infill; "
+            "train with --set data.fim_rate=0.5"
+        )
     g = torch.Generator(device=run.device).manual_seed(seed)
     settings = (max_new_tokens, 1, temperature, top_k, top_p, run.tokenizer.eot, g, use_cache)
-    return _pieces(run, prompts, num_samples, settings)
+    return _pieces(run, prompts, num_samples, settings, suffix)
 
 
-def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tuple) -> Iterator[str]:
+def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tuple, suffix: str | None) -> Iterator[str]:
     tok, index = run.tokenizer, 0
+    ends = {tok.eot, *(vars(tok.sentinels).values() if isinstance(tok, FIMTokenizer) else ())}
     for prompt in prompts:
         # An empty prompt starts a fresh document, as training documents start after EOT.
-        ids = tok.encode(prompt) or [tok.eot]
+        ids = infill_prompt(tok, prompt, suffix) if suffix is not None else tok.encode(prompt) or [tok.eot]
         for _ in range(num_samples):
             yield f"--- sample {index}\n{prompt}"
             new: list[int] = []
@@ -45,12 +55,12 @@ def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tupl
             while True:
                 with autocast(run.device, run.dtype):  # around the model only, not around our caller's code
                     nxt = next(tokens, None)
-                if nxt is None or int(nxt) == tok.eot:
+                if nxt is None or int(nxt) in ends:  # an infilled middle ends where the document would
                     break
                 new.append(int(nxt))
                 text = tok.decode(new)
                 if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                     yield text[len(shown) :]
                     shown = text
-            yield tok.decode(new)[len(shown) :] + "\n"
+            yield tok.decode(new)[len(shown) :] + (suffix or "") + "\n"
             index += 1

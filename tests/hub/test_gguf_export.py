@@ -265,3 +265,17 @@ def test_without_the_gguf_package_the_export_says_what_to_install(tmp_path, caps
     monkeypatch.setitem(sys.modules, "gguf", None)
     assert main(["export", str(ckpt), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 1
     assert "pip install 'gptforge[gguf]'" in capsys.readouterr().err
+
+
+def test_a_fim_model_s_file_names_its_sentinels_for_llama_cpp_infill(tmp_path):
+    from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
+
+    tok = FIMTokenizer(load_tokenizer("gpt2"))
+    path = write_gguf(tiny_model(vocab_size=tok.vocab_size), tok, tmp_path / "m.gguf", "f32", "x")
+    fields = gguf.GGUFReader(path).fields
+    ids = [fields[f"tokenizer.ggml.fim_{k}_token_id"].contents() for k in ("pre", "mid", "suf")]
+    assert ids == [50257, 50258, 50259]
+    assert fields["tokenizer.ggml.tokens"].contents()[50257:] == list(FIM_TEXTS)
+    with llama(path) as llm:
+        assert llm.detokenize([50257], special=True).decode() == FIM_TEXTS[0]
+        assert llm.tokenize(FIM_TEXTS[2].encode(), add_bos=False, special=True) == [50259]

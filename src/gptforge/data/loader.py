@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gptforge.data.fim import FIM
 from gptforge.data.shards import read_manifest, read_shard, verify_shard
 from gptforge.errors import GptforgeError
 
@@ -61,7 +62,9 @@ class TokenLoader:
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        fim: FIM | None = None,
     ) -> None:
+        self.fim = fim
         self.manifest = manifest = read_manifest(data_dir)
         if split == "val" and rank == 0 and "dedup" not in manifest.get("settings", {"dedup": None}):
             print(UNDEDUPLICATED.format(data_dir=data_dir), flush=True)
@@ -106,6 +109,11 @@ class TokenLoader:
             i += 1
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
+    def served(self, w: int, epoch: int) -> np.ndarray:
+        """Window `w` as epoch `epoch` serves it: rearranged for fill-in-the-middle when the loader has `fim`."""
+        tokens = self.window(w)
+        return tokens if self.fim is None else self.fim.window(tokens.astype(np.int64), (self.seed, epoch, w))
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next (x, y), both (B, T) int64; advances to a new shuffled epoch when one runs out."""
         if self.position >= self.batches_per_epoch:
@@ -118,7 +126,7 @@ class TokenLoader:
     def batch(self, windows) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) for the given window indices; y is x shifted by one token."""
         self.verifier.check()
-        buf = torch.from_numpy(np.stack([self.window(int(w)) for w in windows]).astype(np.int64))
+        buf = torch.from_numpy(np.stack([self.served(int(w), self.epoch) for w in windows]).astype(np.int64))
         return buf[:, :-1], buf[:, 1:]
 
     def verify(self) -> None:

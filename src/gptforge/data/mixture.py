@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gptforge.data.fim import FIM
 from gptforge.data.loader import TokenLoader, check_batch_shape
 from gptforge.data.shards import read_manifest
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
@@ -129,11 +130,12 @@ class MixtureLoader:
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        fim: FIM | None = None,
     ) -> None:
         self.sources = sources
         # Source i's epochs are shuffled with seed + i: a one-source mix is the TokenLoader of its folder.
         self.loaders = [
-            TokenLoader(s.path, split, batch_size, seq_len, rank, world_size, seed + i, shuffle)
+            TokenLoader(s.path, split, batch_size, seq_len, rank, world_size, seed + i, shuffle, fim)
             for i, s in enumerate(sources)
         ]
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world_size
@@ -142,12 +144,13 @@ class MixtureLoader:
         """Windows served from each source since the run began: its epoch and the position in it."""
         self._orders: dict[int, tuple[int, np.ndarray]] = {}
 
-    def _next_window(self, i: int) -> int:
+    def _next_window(self, i: int) -> tuple[int, int]:
+        """Source i's next window and the epoch it belongs to."""
         epoch, k = divmod(self.taken[i], self.loaders[i].epoch_windows)
         if self._orders.get(i, (None,))[0] != epoch:
             self._orders[i] = (epoch, self.loaders[i].order(epoch))
         self.taken[i] += 1
-        return int(self._orders[i][1][k])
+        return int(self._orders[i][1][k]), epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next (x, y), both (B, T) int64: its block of the stream's next B*world windows."""
@@ -156,7 +159,7 @@ class MixtureLoader:
         for loader in self.loaders:
             loader.verifier.check()
         mine = windows[self.rank * self.B : (self.rank + 1) * self.B]
-        buf = torch.from_numpy(np.stack([self.loaders[i].window(w) for i, w in mine]).astype(np.int64))
+        buf = torch.from_numpy(np.stack([self.loaders[i].served(*w) for i, w in mine]).astype(np.int64))
         return buf[:, :-1], buf[:, 1:]
 
     def verify(self) -> None:

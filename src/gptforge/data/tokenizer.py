@@ -115,7 +115,9 @@ def load_tokenizer(name: str, base_dir: str | Path | None = None) -> Tokenizer:
 
 
 def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
-    """Same ids for the same text: same kind, and for trained BPEs the same file contents."""
+    """Same ids for the same text: same kind, and for trained BPEs the same file contents (FIM sentinels apart:
+    they follow any vocabulary alike)."""
+    a, b = getattr(a, "base", a), getattr(b, "base", b)
     if (a.path is None) != (b.path is None) or a.name != b.name or a.vocab_size != b.vocab_size:
         return False
     return a.path is None or a.path.read_bytes() == b.path.read_bytes()

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
+from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, read_text, usual_mode, write_json
@@ -144,6 +145,10 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> N
         shutil.copyfile(tokenizer.path, out / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
     config["model_max_length"] = max_length
+    if isinstance(tokenizer, FIMTokenizer):  # the sentinels past the vocabulary, as transformers adds tokens
+        fim = dict(zip(vars(tokenizer.sentinels).values(), FIM_TEXTS, strict=True))
+        config["added_tokens_decoder"] = {str(i): {"content": t, "special": True} for i, t in sorted(fim.items())}
+        config["additional_special_tokens"] = list(FIM_TEXTS)
     write_json(out / "tokenizer_config.json", config)
     write_json(out / "special_tokens_map.json", special)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from gptforge.data.fim import FIM_TEXTS, FIMTokenizer, Sentinels
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import stale_temp_files, usual_mode, writing
@@ -64,6 +65,8 @@ class GGUFVocab:
     types: list[int]
     merges: list[str]
     eot: int
+    fim: Sentinels | None = None
+    """Fill-in-the-middle sentinels (a run with data.fim_rate): llama.cpp's /infill and editor plugins use them."""
 
 
 def gguf_arch(cfg: GPTConfig) -> str:
@@ -86,19 +89,24 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> GGUFVocab:
         vocab, merges = gpt2_vocab_and_merges()
     else:
         vocab, merges = _byte_level_bpe(tokenizer.path)
+    fim_rows = len(FIM_TEXTS) if isinstance(tokenizer, FIMTokenizer) else 0
     tokens = sorted(vocab, key=vocab.__getitem__)
-    if [vocab[t] for t in tokens] != list(range(len(tokens))) or len(tokens) > vocab_size:
+    if [vocab[t] for t in tokens] != list(range(len(tokens))) or len(tokens) + fim_rows > vocab_size:
         raise GptforgeError(
             f"tokenizer {tokenizer.path or tokenizer.name}: ids are not 0..{len(tokens) - 1} within the model's "
             f"{vocab_size:,} rows"
         )
     types = [TOKEN_CONTROL if t == EOT_TEXT else TOKEN_NORMAL for t in tokens]
+    fim = tokenizer.sentinels if isinstance(tokenizer, FIMTokenizer) else None
+    if fim is not None:
+        tokens, types = tokens + list(FIM_TEXTS), types + [TOKEN_CONTROL] * len(FIM_TEXTS)
     padding = range(len(tokens), vocab_size)
     return GGUFVocab(
         tokens=tokens + [f"[PAD{i}]" for i in padding],
         types=types + [TOKEN_UNUSED for _ in padding],
         merges=merges,
         eot=tokenizer.eot,
+        fim=fim,
     )
 
 
@@ -244,6 +252,8 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, cfg: GPTConfig, arch: str, nam
 
 
 def _add_vocab(writer: gguf.GGUFWriter, vocab: GGUFVocab) -> None:
+    import gguf
+
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(vocab.tokens)
@@ -252,3 +262,7 @@ def _add_vocab(writer: gguf.GGUFWriter, vocab: GGUFVocab) -> None:
     writer.add_bos_token_id(vocab.eot)
     writer.add_eos_token_id(vocab.eot)
     writer.add_add_bos_token(False)
+    if vocab.fim is not None:
+        writer.add_uint32(gguf.Keys.Tokenizer.FIM_PRE_ID, vocab.fim.prefix)
+        writer.add_uint32(gguf.Keys.Tokenizer.FIM_SUF_ID, vocab.fim.suffix)
+        writer.add_uint32(gguf.Keys.Tokenizer.FIM_MID_ID, vocab.fim.middle)

@@ -16,6 +16,7 @@ import torch
 
 from gptforge.checkpoint import META, load_checkpoint, read_meta, resolve_checkpoint
 from gptforge.config import Config, config_from_dict
+from gptforge.data.fim import FIM, FIMTokenizer, with_fim
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Source, open_mix, parse_mix
 from gptforge.data.shards import fingerprint, read_manifest
@@ -61,11 +62,11 @@ def open_data(cfg: Config) -> Data:
     if cfg.data.mix:
         sources = parse_mix(cfg.data.mix)
         tokenizer, manifests = open_mix(sources)
-        return Data(sources, manifests, tokenizer, mixed=True)
+        return Data(sources, manifests, with_fim(tokenizer, cfg.data.fim_rate), mixed=True)
     if not cfg.data.path:
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`) or data.mix")
     manifest = read_manifest(cfg.data.path)
-    tokenizer = load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path)
+    tokenizer = with_fim(load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path), cfg.data.fim_rate)
     return Data(parse_mix([f"{cfg.data.path}=1"]), [manifest], tokenizer, mixed=False)  # a one-folder mix
 
 
@@ -73,6 +74,8 @@ def train_loader(cfg: Config, data: Data, env: DistEnv) -> TokenLoader | Mixture
     """This rank's training batches: the folder's `TokenLoader`, or a `MixtureLoader` over the mix."""
     shape = {"batch_size": cfg.train.micro_batch, "seq_len": cfg.model.block_size}
     where = {"rank": env.rank, "world_size": env.world_size, "seed": cfg.train.seed, "shuffle": cfg.data.shuffle}
+    if isinstance(data.tokenizer, FIMTokenizer):
+        where["fim"] = FIM(data.tokenizer, cfg.data.fim_rate, cfg.data.fim_spm_rate)
     if data.mixed:
         return MixtureLoader(data.sources, "train", **shape, **where)
     return TokenLoader(cfg.data.path, "train", **shape, **where)

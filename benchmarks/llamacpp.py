@@ -1,7 +1,7 @@
 """A trained checkpoint in llama.cpp: bits per byte of each GGUF type on held-out text against ours, and how often
 llama.cpp's greedy text equals `gptforge sample --temperature 0`.
 
-    python benchmarks/gguf.py RUN_OR_CKPT --data DATA_DIR [--windows 8] [--prompts 8] [--json OUT.json]
+    python benchmarks/llamacpp.py RUN_OR_CKPT --data DATA_DIR [--windows 8] [--prompts 8] [--json OUT.json]
 
 Held-out text is the data folder's validation split, cut into windows of the model's context; each type's file is
 written to a temporary folder and read with llama-cpp-python (f32 KV cache, one thread)."""
