@@ -63,12 +63,12 @@ def test_the_time_limit_ends_every_choice_as_length_and_the_newest_checkpoint_is
     shutil.copytree(runs_dir / "alpha", run, ignore=shutil.ignore_patterns("step_000004"))
     engine = Engine(tmp_path, Limits())
     events = completion(engine, {"max_tokens": 5, "n": 2}, deadline=time.monotonic())
-    assert events == [Started("step_000002"), Finish(0, "length"), Finish(1, "length"), events[-1]]
+    assert events == [Started("step_000002", "run"), Finish(0, "length"), Finish(1, "length"), events[-1]]
     assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 0
 
     shutil.copytree(runs_dir / "alpha" / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
     events = completion(engine, {"max_tokens": 3, "temperature": 0})
-    assert events[0] == Started("step_000004") and isinstance(events[-1], Done) and engine.in_flight == 0
+    assert events[0] == Started("step_000004", "run") and isinstance(events[-1], Done) and engine.in_flight == 0
 
 
 def test_requests_past_the_queue_are_refused_and_errors_carry_openai_fields(runs_dir):

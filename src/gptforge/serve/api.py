@@ -17,9 +17,17 @@ from starlette.routing import Route
 
 from gptforge.files import to_json
 from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Text
-from gptforge.serve.protocol import ApiError, CompletionRequest, Limits, choice, completion_object, parse_completion
+from gptforge.serve.protocol import (
+    ApiError,
+    CompletionRequest,
+    Limits,
+    choice,
+    completion_object,
+    parse_completion,
+    parse_infill,
+)
 
-ROUTES = "gptforge serve answers GET /v1/models and POST /v1/completions"
+ROUTES = "gptforge serve answers GET /v1/models, POST /v1/completions and POST /infill"
 CHAT = (
     "gptforge serve answers the completions API of base models, which have no chat format: "
     "POST /v1/completions with a prompt"
@@ -73,7 +81,32 @@ def routes(engine: Engine) -> list[Route]:
         except ApiError as e:
             return error_response(e)
 
-    return [Route("/v1/models", list_models), Route("/v1/completions", completions, methods=["POST"])]
+    async def infill(request: Request) -> Response:
+        """llama.cpp's /infill, for editor plugins written for llama-server: {"content", "stop", ...} objects."""
+        events = None
+        try:
+            req = parse_infill(await _json_body(request, engine.limits), engine.limits)
+            events = _events(engine, req, request)
+            first = await anext(events)
+            if isinstance(first, Failed):
+                raise first.error
+        except ApiError as e:
+            if events is not None:
+                await events.aclose()
+            return error_response(e)
+        if req.stream:
+            chunks = _infill_sse(events, first.model)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await _infill_gather(events, first.model))
+        except ApiError as e:
+            return error_response(e)
+
+    return [
+        Route("/v1/models", list_models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/infill", infill, methods=["POST"]),
+    ]
 
 
 async def _json_body(request: Request, limits: Limits):
@@ -189,5 +222,52 @@ async def _sse(events: AsyncIterator[Event], req: CompletionRequest, rid: str, f
                 if req.include_usage:
                     yield chunk([], event.usage)
                 yield data("[DONE]")
+    finally:
+        await events.aclose()
+
+
+STOP_TYPES = {"stop": "eos", "length": "limit"}  # llama.cpp's names for why a completion ended
+
+
+def _infill_object(model: str, content: str, reason: str | None, usage: dict | None = None) -> dict:
+    out = {"content": content, "stop": reason is not None, "model": model}
+    if reason is not None:
+        out["stop_type"] = STOP_TYPES.get(reason, reason)
+    if usage is not None:
+        out.update(tokens_predicted=usage["completion_tokens"], tokens_evaluated=usage["prompt_tokens"])
+    return out
+
+
+async def _infill_gather(events: AsyncIterator[Event], model: str) -> dict:
+    content, reason = "", None
+    try:
+        async for event in events:
+            if isinstance(event, Text):
+                content += event.piece
+            elif isinstance(event, Finish):
+                reason = event.reason
+            elif isinstance(event, Failed):
+                raise event.error
+            elif isinstance(event, Done):
+                return _infill_object(model, content, reason or "length", event.usage)
+    finally:
+        await events.aclose()
+    raise AssertionError("the worker ended without 'done' or 'error'")
+
+
+async def _infill_sse(events: AsyncIterator[Event], model: str):
+    """llama.cpp's stream: a `data: {"content", "stop": false}` event per piece, then one with "stop": true."""
+    reason = None
+    try:
+        async for event in events:
+            if isinstance(event, Text):
+                yield f"data: {to_json(_infill_object(model, event.piece, None))}\n\n"
+            elif isinstance(event, Finish):
+                reason = event.reason
+            elif isinstance(event, Failed):
+                yield f"data: {to_json(event.error.body())}\n\n"
+                return
+            elif isinstance(event, Done):
+                yield f"data: {to_json(_infill_object(model, '', reason or 'length', event.usage))}\n\n"
     finally:
         await events.aclose()

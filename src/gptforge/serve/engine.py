@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
+from gptforge.data.fim import FIMTokenizer, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
@@ -29,6 +30,7 @@ class Started:
     """The model is loaded and the prompts fit: the first event of a request that generates."""
 
     fingerprint: str
+    model: str
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,9 @@ class Engine:
     def _generate(self, job: Job) -> dict[str, int] | None:
         """Generate every choice of the request; returns the usage, or None when the client went away."""
         req = job.req
-        ckpt, run = self.model(req.model)
-        prompts = [self._encode(run, p) for p in req.prompts]
-        job.emit(Started(ckpt.name))
+        name, ckpt, run = self.model(req.model)
+        prompts = [self._encode(run, p, req) for p in req.prompts]
+        job.emit(Started(ckpt.name, name))
         seed = secrets.randbits(63) if req.seed is None else req.seed % 2**63
         g = torch.Generator(device=run.device).manual_seed(seed)
         generated = 0
@@ -156,6 +158,7 @@ class Engine:
         if req.echo:
             for j in range(req.n):
                 job.emit(Text(first + j, tok.decode(ids)))
+        ends = {tok.eot, *(vars(tok.sentinels).values() if isinstance(tok, FIMTokenizer) else ())}
         steps = stream(run.model, ids, req.max_tokens, req.n, req.temperature, req.top_k, req.top_p, tok.eot, g)
         while not job.cancel.is_set() and not self.stopping.is_set() and time.monotonic() < job.deadline:
             with autocast(run.device, run.dtype):  # around the model only
@@ -164,7 +167,7 @@ class Engine:
                 break
             for j, token in enumerate(nxt.tolist()):
                 if texts[j].finish_reason is None:
-                    job.finish_part(first + j, texts[j], "stop" if token == tok.eot else None, token)
+                    job.finish_part(first + j, texts[j], "stop" if token in ends else None, token)
             if all(c.finish_reason for c in texts):
                 break
         if not job.cancel.is_set():
@@ -173,10 +176,22 @@ class Engine:
                     job.finish_part(first + j, c, "length")
         return sum(len(c.ids) for c in texts)
 
-    def _encode(self, run: Inference, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt; one longer than the model's context is refused, as OpenAI's API does."""
+    def _encode(self, run: Inference, prompt: str | list[int], req: CompletionRequest) -> list[int]:
+        """Token ids of a prompt (an infill's: prefix, suffix and the middle's start between FIM sentinels); one
+        longer than the model's context is refused, as OpenAI's API does."""
         tok = run.tokenizer
-        ids = prompt if isinstance(prompt, list) else tok.encode(prompt) or [tok.eot]  # "" starts a document
+        if req.suffix is not None:
+            if not isinstance(tok, FIMTokenizer):
+                raise ApiError(
+                    400,
+                    f"the model '{req.model}' was trained without fill-in-the-middle (data.fim_rate=0), so it cannot "
+                    "infill; train one with --set data.fim_rate=0.5",
+                    "suffix",
+                    "unsupported",
+                )
+            ids = infill_prompt(tok, prompt, req.suffix) + tok.encode(req.middle)
+        else:
+            ids = prompt if isinstance(prompt, list) else tok.encode(prompt) or [tok.eot]  # "" starts a document
         if any(not 0 <= t < tok.vocab_size for t in ids):
             raise ApiError(400, f"token ids must be in [0, {tok.vocab_size})", "prompt", "invalid_value")
         block = run.model.config.block_size
@@ -189,9 +204,15 @@ class Engine:
             )
         return ids
 
-    def model(self, name: str) -> tuple[Path, Inference]:
-        """The run's newest intact checkpoint, loaded (again only when training has written a newer one)."""
-        source = find_sources(self.root).get(name)
+    def model(self, name: str) -> tuple[str, Path, Inference]:
+        """The run's newest intact checkpoint, loaded (again only when training has written a newer one); no name
+        (llama.cpp's /infill sends none) means the only run served."""
+        sources = find_sources(self.root)
+        if not name and len(sources) == 1:
+            name = next(iter(sources))
+        elif not name:
+            raise ApiError(400, f"'model' is required: {len(sources)} runs are served (GET /v1/models)", "model")
+        source = sources.get(name)
         newest = source.newest_checkpoint() if source else None
         if newest is None:
             raise ApiError(
@@ -206,7 +227,7 @@ class Engine:
         self._loaded.move_to_end(name)
         while len(self._loaded) > KEEP_MODELS:
             self._loaded.popitem(last=False)
-        return loaded
+        return name, *loaded
 
     def models(self) -> list[dict[str, Any]]:
         """The OpenAI model objects: every run with a checkpoint, and which checkpoint a request would get."""

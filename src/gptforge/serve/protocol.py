@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Accepted only at the value that means "off": clients send them, gptforge does not implement them.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "suffix": None, "logit_bias": {}}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "logit_bias": {}}
 IGNORED = {"user", "best_of"}  # best_of is checked to equal n below
 
 
@@ -52,6 +52,10 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    suffix: str | None = None
+    """Infill: the text after the gap; the completion is what goes between prompt and suffix (FIM models)."""
+    middle: str = ""
+    """Infill: the start of the middle already typed (llama.cpp's /infill `prompt`); the completion continues it."""
 
 
 def _number(body: dict, key: str, default, low: float, high: float, integer: bool = False):
@@ -136,6 +140,9 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         stream=_flag(body, "stream"),
         echo=_flag(body, "echo"),
     )
+    req.suffix = _text(body, "suffix", None)
+    if req.suffix is not None and (req.echo or any(isinstance(p, list) for p in req.prompts)):
+        raise ApiError(400, "'suffix' needs text prompts and no 'echo'", "suffix", "unsupported")
     best_of = body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of != req.n):  # true == 1, 1.0 == 1 in Python
         raise ApiError(400, "'best_of' other than n is not supported", "best_of", "unsupported")
@@ -144,6 +151,42 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
     req.include_usage = bool(options.get("include_usage"))
     return req
+
+
+def _text(body: dict, key: str, default: str | None) -> str | None:
+    value = body.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{key}' must be a string, got {_shown(value)}", key)
+    _check_unicode([value], key)
+    return value
+
+
+def parse_infill(body: Any, limits: Limits) -> CompletionRequest:
+    """A llama.cpp /infill body (`input_prefix`, `input_suffix`, `input_extra`, `prompt`, `n_predict`, ...) as a
+    completion request. Options llama.cpp has and gptforge does not are ignored, as editor plugins send many."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "expected a JSON object as the request body")
+    extra = body.get("input_extra") or []
+    if not isinstance(extra, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in extra):
+        raise ApiError(400, '\'input_extra\' must be a list of {"filename", "text"} objects', "input_extra")
+    context = "".join(c["text"] if c["text"].endswith("\n") else c["text"] + "\n" for c in extra)
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string (GET /v1/models lists them)", "model")
+    n_predict = body.get("n_predict", limits.max_tokens)
+    return CompletionRequest(
+        model=model,
+        prompts=[context + (_text(body, "input_prefix", "") or "")],
+        suffix=_text(body, "input_suffix", "") or "",
+        middle=_text(body, "prompt", "") or "",
+        max_tokens=min(limits.max_tokens, n_predict) if type(n_predict) is int and n_predict > 0 else limits.max_tokens,
+        temperature=_number(body, "temperature", 0.8, 0, 2),
+        top_p=_number(body, "top_p", 0.95, 1e-9, 1),
+        top_k=_number(body, "top_k", 40, 0, 1 << 30, integer=True) or None,
+        stop=_stop(body.get("stop")),
+        seed=None if body.get("seed") == -1 else _number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        stream=_flag(body, "stream"),
+    )
 
 
 def _flag(body: dict, key: str) -> bool:
