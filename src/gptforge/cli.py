@@ -108,6 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         lm_eval=args.lm_eval,
         include_path=args.include_path,
+        code=args.code,
     )
     print(to_json(result) if args.json else format_results(result))
 
@@ -399,6 +400,14 @@ def _add_checkpoint_commands(sub) -> None:
     )
     s.add_argument("--lm-eval", metavar="TASKS", help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag)")
     s.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files (local tasks)")
+    s.add_argument(
+        "--code",
+        type=_at_least(0),
+        default=0,
+        metavar="N",
+        help="with --data: infilling exact match on N hidden held-out lines (and prefix only), parse rate of sampled "
+        "function bodies",
+    )
     s.add_argument(
         "--limit",
         type=_at_least(0),

