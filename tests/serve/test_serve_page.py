@@ -46,6 +46,7 @@ def page(browser, server):
     page.on("pageerror", lambda e: problems.append(f"exception: {e}"))
     page.goto(server)
     page.wait_for_selector("#chart-tps .u-legend", timeout=WAIT_MS)
+    page.problems = problems  # a test expecting an error response takes its line out
     yield page
     page.close()
     assert problems == []
@@ -86,3 +87,15 @@ def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, se
     assert page.text_content("#out-text") == expected
     assert page.inner_text("#out-info").startswith("step_000006 · finished: ")
     assert page.evaluate("window.pieces") > 2
+
+
+def test_a_suffix_in_the_playground_asks_for_an_infill(page):
+    page.fill("#prompt", "def add_all(")
+    page.fill("#suffix", ")\n")
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('out-info').textContent.includes('error')", timeout=WAIT_MS)
+    assert "trained without fill-in-the-middle" in page.inner_text("#out-info")  # the suffix reached the server
+    assert page.text_content("#out-suffix") == ")\n"
+    expected = [p for p in page.problems if "400 (Bad Request)" in p]
+    assert len(expected) == 1
+    page.problems.remove(expected[0])

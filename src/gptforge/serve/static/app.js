@@ -172,7 +172,9 @@ $("keyform").addEventListener("submit", (event) => {
 
 async function generate() {
   const prompt = $("prompt").value;
+  const suffix = $("suffix").value;
   $("out-prompt").textContent = prompt;
+  $("out-suffix").textContent = suffix;
   $("out-text").textContent = "";
   $("out-info").textContent = "";
   state.abort = new AbortController();
@@ -183,7 +185,7 @@ async function generate() {
       method: "POST", signal: state.abort.signal,
       headers: { "Content-Type": "application/json", ...headers() },
       body: JSON.stringify({
-        model: state.selected, prompt, stream: true,
+        model: state.selected, prompt, stream: true, ...(suffix ? { suffix } : {}),
         max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),
       }),
     });
