@@ -33,6 +33,7 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
         "train.batch_tokens=512",
         "eval.every=0",
         "eval.tokens=2048",
+        "data.fim_rate=0.5",  # the demo then shows an infilling too
         "train.max_steps=60",  # a step count, not a time budget: the test must not depend on machine load
     ]
     args = ["demo", "--out", str(out), "--data", str(data)]
@@ -50,6 +51,7 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
     assert summary["after"]["loss"] < summary["before"]["loss"] - 1.0
     assert summary["after"]["ppl"] < summary["before"]["ppl"]
     assert len(summary["completions"]) == 3
+    assert "=== infilling (greedy)" in printed and summary["infill"]["suffix"] in printed
     for name in ("metrics.jsonl", "loss.png", "config.toml"):
         assert (out / name).is_file()
     assert (data / "tokenizer.json").is_file()

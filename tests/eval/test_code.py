@@ -33,11 +33,11 @@ def test_a_body_ends_where_the_code_dedents():
 
 
 @pytest.mark.parametrize("fim", [False, True])
-def test_a_line_counts_only_when_written_exactly_after_a_newline(monkeypatch, fim):
+def test_a_line_counts_only_when_written_exactly(monkeypatch, fim):
     tok = FIMTokenizer(load_tokenizer("gpt2")) if fim else load_tokenizer("gpt2")
     cases = [HiddenLine("def f(x):", "    return x + 1", "\n"), HiddenLine("def g(y):", "    return y * 2", "\n")]
-    answers = {  # what the stub model writes: the right line with a suffix, a near miss or no newline without
-        True: ["\n    return x + 1\n    ", "\n    return y * 2  \n"],
+    answers = {  # what the stub model writes: the right middle with a suffix, a near miss or no newline without
+        True: ["    return x + 1\n    ", "    return y * 2  \n"],
         False: ["\n    return x + 2\n", "    return y * 2\n"],
     }
 

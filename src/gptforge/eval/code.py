@@ -66,14 +66,13 @@ def hidden_lines(documents: list[str], n: int, seed: int) -> list[HiddenLine]:
     for k in sorted(int(p) for p in picks):
         d, i = candidates[k]
         lines = documents[d].split("\n")
-        # The cut falls before the newline that ends the prefix: byte-level BPEs join a newline to the indentation
-        # after it, so a prompt ending in a bare newline would be a token boundary the model never saw.
         out.append(HiddenLine("\n".join(lines[:i]), lines[i], "\n" + "\n".join(lines[i + 1 :])))
     return out
 
 
-def _line(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dtype) -> str | None:
-    """The line the greedy continuation of `ids` writes after a newline (None: it did not start one)."""
+def _line(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dtype, newline: bool) -> str | None:
+    """The first line of the greedy continuation of `ids`; with `newline`, the line it writes after starting a new
+    one (None: it did not start one)."""
     new: list[int] = []
     steps = stream(model, ids, LINE_TOKENS, 1, temperature=0.0, eot=tok.eot)
     while True:
@@ -83,10 +82,12 @@ def _line(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dt
             break
         new.append(int(nxt))
         text = tok.decode(new)
-        if not text.startswith("\n") or "\n" in text[1:]:
+        if (newline and not text.startswith("\n")) or "\n" in text[int(newline) :]:
             break
     text = tok.decode(new)
-    return text[1:].split("\n", 1)[0].rstrip() if text.startswith("\n") else None
+    if newline and not text.startswith("\n"):
+        return None
+    return text[int(newline) :].split("\n", 1)[0].rstrip()
 
 
 def _fit(tok: Tokenizer, prefix: str, suffix: str, room: int) -> tuple[list[int], list[int]]:
@@ -100,18 +101,22 @@ def _fit(tok: Tokenizer, prefix: str, suffix: str, room: int) -> tuple[list[int]
 @torch.no_grad()
 def line_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenLine], device, dtype) -> tuple[float | None, float]:
     """(with prefix and suffix, with the prefix alone): the share of hidden lines written exactly (trailing
-    spaces aside). The first is None for a model trained without FIM."""
+    spaces aside). The first is None for a model trained without FIM. Each prompt is cut as the model saw text in
+    training: left to right, the prefix stops before its newline (a byte-level BPE joins it to the indentation
+    after it), so the model must start the line; an infill's prefix, suffix and middle are encoded apart, so the
+    prefix ends with its newline and the middle is the line alone."""
     room = model.config.block_size - LINE_TOKENS - 3
     fim = isinstance(tok, FIMTokenizer)
     ends = {tok.eot, *(vars(tok.sentinels).values() if fim else ())}
     infilled = prefixed = 0
     for case in cases:
-        p, s = _fit(tok, case.prefix, case.suffix, room)
         target = case.line.rstrip()
-        prefixed += _line(model, tok, p or [tok.eot], ends, device, dtype) == target
+        p, _ = _fit(tok, case.prefix, "", room)
+        prefixed += _line(model, tok, p or [tok.eot], ends, device, dtype, newline=True) == target
         if fim:
+            p, s = _fit(tok, case.prefix + "\n", case.suffix, room)
             ids = [tok.sentinels.prefix, *p, tok.sentinels.suffix, *s, tok.sentinels.middle]
-            infilled += _line(model, tok, ids, ends, device, dtype) == target
+            infilled += _line(model, tok, ids, ends, device, dtype, newline=False) == target
     n = max(1, len(cases))
     return (infilled / n if fim else None), prefixed / n
 

@@ -8,7 +8,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from gptforge.files import to_json
-from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Text
+from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Started, Text
 from gptforge.serve.protocol import (
     ApiError,
     CompletionRequest,
@@ -60,47 +60,34 @@ def routes(engine: Engine) -> list[Route]:
         except ApiError as e:  # the served folder is gone
             return error_response(e)
 
-    async def completions(request: Request) -> Response:
-        events = None
-        try:
-            req = parse_completion(await _json_body(request, engine.limits), engine.limits)
-            events = _events(engine, req, request)
-            first = await anext(events)  # the model loaded and the prompts fit, or the error to answer with
-            if isinstance(first, Failed):
-                raise first.error
-        except ApiError as e:
-            if events is not None:
-                await events.aclose()
-            return error_response(e)
-        rid = f"cmpl-{secrets.token_hex(12)}"
-        if req.stream:
-            chunks = _sse(events, req, rid, first.fingerprint)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            return JSONResponse(await _gather(events, req, rid, first.fingerprint))
-        except ApiError as e:
-            return error_response(e)
+    def answering(parse: Callable, stream_of: Callable, gather: Callable) -> Callable:
+        """A generating route: the body parsed, the request admitted and its model loaded (or the error to answer
+        with), then the events as a stream or gathered into one JSON object."""
 
-    async def infill(request: Request) -> Response:
-        """llama.cpp's /infill, for editor plugins written for llama-server: {"content", "stop", ...} objects."""
-        events = None
-        try:
-            req = parse_infill(await _json_body(request, engine.limits), engine.limits)
-            events = _events(engine, req, request)
-            first = await anext(events)
-            if isinstance(first, Failed):
-                raise first.error
-        except ApiError as e:
-            if events is not None:
-                await events.aclose()
-            return error_response(e)
-        if req.stream:
-            chunks = _infill_sse(events, first.model)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            return JSONResponse(await _infill_gather(events, first.model))
-        except ApiError as e:
-            return error_response(e)
+        async def route(request: Request) -> Response:
+            events = None
+            try:
+                req = parse(await _json_body(request, engine.limits), engine.limits)
+                events = _events(engine, req, request)
+                first = await anext(events)  # the model loaded and the prompts fit, or the error to answer with
+                if isinstance(first, Failed):
+                    raise first.error
+            except ApiError as e:
+                if events is not None:
+                    await events.aclose()
+                return error_response(e)
+            if req.stream:
+                chunks = stream_of(events, req, first)
+                return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                return JSONResponse(await gather(events, req, first))
+            except ApiError as e:
+                return error_response(e)
+
+        return route
+
+    completions = answering(parse_completion, _sse, _gather)
+    infill = answering(parse_infill, _infill_sse, _infill_gather)  # llama.cpp's, for editor plugins written for it
 
     return [
         Route("/v1/models", list_models),
@@ -181,7 +168,8 @@ async def _watch_disconnect(request: Request, cancel: threading.Event, queue: as
     queue.put_nowait(Failed(ApiError(499, "the client went away", None, "client_disconnected")))
 
 
-async def _gather(events: AsyncIterator[Event], req: CompletionRequest, rid: str, fingerprint: str) -> dict:
+async def _gather(events: AsyncIterator[Event], req: CompletionRequest, first: Started) -> dict:
+    rid, fingerprint = f"cmpl-{secrets.token_hex(12)}", first.fingerprint
     texts = [""] * (len(req.prompts) * req.n)
     reasons: list[str | None] = [None] * len(texts)
     try:
@@ -200,8 +188,9 @@ async def _gather(events: AsyncIterator[Event], req: CompletionRequest, rid: str
     raise AssertionError("the worker ended without 'done' or 'error'")
 
 
-async def _sse(events: AsyncIterator[Event], req: CompletionRequest, rid: str, fingerprint: str):
+async def _sse(events: AsyncIterator[Event], req: CompletionRequest, first: Started):
     """OpenAI's stream: a `data: {chunk}` event per piece of text or finish, then `data: [DONE]`."""
+    rid, fingerprint = f"cmpl-{secrets.token_hex(12)}", first.fingerprint
 
     def data(obj) -> str:
         return f"data: {obj if isinstance(obj, str) else to_json(obj)}\n\n"
@@ -238,8 +227,8 @@ def _infill_object(model: str, content: str, reason: str | None, usage: dict | N
     return out
 
 
-async def _infill_gather(events: AsyncIterator[Event], model: str) -> dict:
-    content, reason = "", None
+async def _infill_gather(events: AsyncIterator[Event], req: CompletionRequest, first: Started) -> dict:
+    content, reason, model = "", None, first.model
     try:
         async for event in events:
             if isinstance(event, Text):
@@ -255,9 +244,9 @@ async def _infill_gather(events: AsyncIterator[Event], model: str) -> dict:
     raise AssertionError("the worker ended without 'done' or 'error'")
 
 
-async def _infill_sse(events: AsyncIterator[Event], model: str):
+async def _infill_sse(events: AsyncIterator[Event], req: CompletionRequest, first: Started):
     """llama.cpp's stream: a `data: {"content", "stop": false}` event per piece, then one with "stop": true."""
-    reason = None
+    reason, model = None, first.model
     try:
         async for event in events:
             if isinstance(event, Text):
