@@ -140,6 +140,13 @@ def test_a_resume_that_changes_what_same_shaped_weights_compute_is_refused(saved
         train(tiny(data_dir, "train.max_steps=4", "model.mlp=relu2"), run, resume="auto")
 
 
+def test_a_resume_that_turns_fim_on_names_the_setting(saved_run, data_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    with pytest.raises(GptforgeError, match=r"data.fim_rate=0.5: the checkpoint trained with data.fim_rate=0.0, and"):
+        train(tiny(data_dir, "train.max_steps=4", "data.fim_rate=0.5"), run, resume="auto")
+
+
 def test_a_resume_that_switches_the_optimizer_is_one_line_either_way(saved_run, data_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)

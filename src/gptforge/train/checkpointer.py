@@ -141,6 +141,12 @@ def config_changes(before: Config, now: Config, misfit: str | None = None) -> li
             f"resume continues its optimizer's state (resume with optim.optimizer={before.optim.optimizer}, or start "
             "a new run from its weights with train.init_from)"
         )
+    if (before.data.fim_rate > 0) != (now.data.fim_rate > 0):
+        raise GptforgeError(
+            f"data.fim_rate={now.data.fim_rate}: the checkpoint trained with data.fim_rate={before.data.fim_rate}, "
+            "and turning fill-in-the-middle on or off adds or removes its 3 sentinel tokens, a change of the "
+            "vocabulary a resume cannot make (change the rate between non-zero values, or train a new run)"
+        )
     differ = [k for k in STRUCTURE if getattr(before.model, k) != getattr(now.model, k)]
     if misfit or differ:  # weights of the same shapes (gelu -> relu2, layernorm -> rmsnorm) compute something else
         theirs = ", ".join(f"model.{k}={getattr(before.model, k)!r} (now {getattr(now.model, k)!r})" for k in differ)
