@@ -1,10 +1,12 @@
 """Helpers shared by test modules: reading a run's losses and weights, running the CLI in a subprocess, a lock
-held by another process."""
+held by another process, a randomized tiny model."""
 
 import contextlib
 import json
 import subprocess
 import sys
+
+import torch
 
 from gptforge.checkpoint import load_checkpoint
 
@@ -16,6 +18,20 @@ def losses(run_dir, kind="train"):
 
 def cli(*args):
     return [sys.executable, "-m", "gptforge", *map(str, args)]
+
+
+def randomize(model, matrix_std=None):
+    """Random norm gains and biases (so a swapped one shows in logits) and, with `matrix_std`, random matrices of
+    that spread; returns the model in eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+            elif p.dim() == 1:
+                p.normal_(1, 0.1)
+            elif matrix_std is not None:
+                p.normal_(0, matrix_std)
+    return model.eval()
 
 
 def weights(ckpt):

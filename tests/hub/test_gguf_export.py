@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tests.helpers import randomize
 
 from gptforge.checkpoint import write_checkpoint
 from gptforge.cli import main
@@ -51,16 +52,7 @@ def tiny_model(vocab_size=50257, seed=0, **fields):
     that greedy decoding has no near-ties for float rounding to flip."""
     torch.manual_seed(seed)
     cfg = GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=4, n_embd=64, **fields)
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.1)
-            elif p.dim() == 1:
-                p.normal_(1, 0.1)
-            else:
-                p.normal_(0, 0.2)  # greedy then picks a new token most steps, not the input's echo
-    return model
+    return randomize(GPT(cfg), matrix_std=0.2)  # greedy then picks a new token most steps, not the input's echo
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from tests.helpers import randomize
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
@@ -31,14 +32,7 @@ def modern_model(seed=0, **fields):
     """A tiny random modern model whose norm gains and biases are random too, so a swapped one shows in logits."""
     torch.manual_seed(seed)
     cfg = GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64, **{**MODERN, **fields})
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.1)
-            elif p.dim() == 1:
-                p.normal_(1, 0.1)
-    return model
+    return randomize(GPT(cfg))
 
 
 def our_logits(model, idx):
