@@ -139,6 +139,15 @@ def test_infilling_with_a_model_trained_without_fim_is_one_line(data_dir, tmp_pa
     assert "--suffix:" in err and "trained without fill-in-the-middle" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
+def test_an_infill_prompt_past_the_context_is_one_line(data_dir, tmp_path, capsys):
+    train(tiny(data_dir, "train.max_steps=1"), tmp_path / "run")
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "x = 1\n" * 200, "--suffix", "return"]) == 1
+    err = capsys.readouterr().err
+    assert "--prompt/--suffix: the infill prompt has" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("trained", [False, True])
 def test_exports_carry_the_sentinels_and_transformers_infills_as_we_do(tmp_path, trained):
     transformers = pytest.importorskip("transformers")

@@ -27,6 +27,16 @@ def test_hidden_lines_cut_each_document_exactly_and_are_seeded():
     assert len(hidden_lines(DOCS, 100, seed=1)) == 5  # every line with 8+ characters but the first and last
 
 
+def test_every_held_out_document_is_read_whole(data_dir):
+    from gptforge.data.shards import read_manifest
+    from gptforge.data.tokenizer import data_tokenizer
+    from gptforge.eval.code import held_out_documents
+
+    docs = held_out_documents(str(data_dir), data_tokenizer(data_dir), max_documents=1000)
+    assert len(docs) == read_manifest(data_dir)["splits"]["val"]["docs"] and all(d.strip() for d in docs)
+    assert all(d.startswith(('"""', "import", "def", "class", "#")) for d in docs)  # whole files, from their start
+
+
 def test_a_body_ends_where_the_code_dedents():
     assert body_of("\n    return 1\n\n    # done\nprint(2)\n") == "\n    return 1\n\n    # done"
     assert body_of("  # same line\n    pass") == "  # same line\n    pass"

@@ -95,8 +95,17 @@ def test_a_typed_middle_and_extra_context_are_taken(server, root):
         ("/v1/completions", {"model": "fim", "prompt": [1, 2], "suffix": SUFFIX}, "suffix"),
         ("/v1/completions", {"model": "fim", "prompt": PREFIX, "suffix": 3}, "suffix"),
         ("/infill", {"model": "fim", "input_extra": ["text"]}, "input_extra"),
+        ("/infill", {"model": "fim", "input_extra": {}}, "input_extra"),
+        ("/infill", {"model": "fim", "n_predict": "3"}, "n_predict"),
+        ("/infill", {"model": "fim", "n_predict": 0}, "n_predict"),
     ],
 )
 def test_infill_a_model_cannot_give_or_a_bad_body_is_400(server, path, body, param):
     r = httpx.post(f"{server}{path}", json=body, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_lone_surrogate_in_an_extra_file_is_400(server):
+    body = b'{"model": "fim", "input_extra": [{"filename": "a", "text": "\\ud800"}]}'  # JSON's own escape
+    r = httpx.post(f"{server}/infill", content=body, headers={"Content-Type": "application/json"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_extra", r.text

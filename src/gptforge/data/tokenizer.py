@@ -132,7 +132,7 @@ def check_data_tokenizer(data_tok: Tokenizer, data_dir: str | Path, model_tok: T
     """Refuse data whose ids mean other text to `model` (a checkpoint): its loss would be meaningless."""
     if same_tokenizer(data_tok, model_tok):
         return
-    data_says, model_says = (f"{t.name} ({t.vocab_size:,} tokens)" for t in (data_tok, model_tok))
+    data_says, model_says = (f"{t.name} ({getattr(t, 'base', t).vocab_size:,} tokens)" for t in (data_tok, model_tok))
     raise GptforgeError(
         f"{data_dir}: made with tokenizer {data_says}, but {model} uses "
         f"{'another ' if data_says == model_says else ''}{model_says}; "

@@ -35,23 +35,23 @@ class HiddenLine:
 class CodeScores:
     cases: int
     infill_exact: float | None
-    """Share of hidden lines the model wrote exactly given prefix and suffix (None: trained without FIM)."""
-    prefix_exact: float
-    """The same lines written given the prefix alone."""
+    """Share of hidden lines the model wrote exactly given prefix and suffix (None: trained without FIM, or no
+    line to hide)."""
+    prefix_exact: float | None
+    """The same lines written given the prefix alone (None: no line to hide)."""
     functions: int
     parse_rate: float | None
     """Share of sampled function bodies that parse (None: no function in the held-out code)."""
 
 
 def held_out_documents(data_dir: str, tokenizer: Tokenizer, max_documents: int) -> list[str]:
-    """The validation split's first documents, as text (documents end at EOT)."""
+    """The validation split's first documents, as text (EOT separates documents)."""
     manifest = read_manifest(data_dir)
     vocab = manifest["tokenizer"]["vocab_size"]
     shards = [Path(data_dir) / s["file"] for s in manifest["shards"] if s["split"] == "val"]
     tokens = np.concatenate([read_shard(path, vocab) for path in shards]) if shards else np.zeros(0, np.int64)
-    ends = np.flatnonzero(np.asarray(tokens) == tokenizer.eot)[:max_documents]
-    starts = [0, *(ends + 1).tolist()]
-    return [tokenizer.decode(tokens[a:b]) for a, b in zip(starts, ends.tolist(), strict=False)]
+    pieces = np.split(tokens, np.flatnonzero(tokens == tokenizer.eot))  # prepare puts EOT before each document
+    return [tokenizer.decode(p[p != tokenizer.eot]) for p in pieces if (p != tokenizer.eot).any()][:max_documents]
 
 
 def hidden_lines(documents: list[str], n: int, seed: int) -> list[HiddenLine]:
@@ -74,7 +74,7 @@ def _line(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dt
     """The first line of the greedy continuation of `ids`; with `newline`, the line it writes after starting a new
     one (None: it did not start one)."""
     new: list[int] = []
-    steps = stream(model, ids, LINE_TOKENS, 1, temperature=0.0, eot=tok.eot)
+    steps = stream(model, ids, _line_tokens(model), 1, temperature=0.0, eot=tok.eot)
     while True:
         with autocast(device, dtype):
             nxt = next(steps, None)
@@ -88,6 +88,11 @@ def _line(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dt
     if newline and not text.startswith("\n"):
         return None
     return text[int(newline) :].split("\n", 1)[0].rstrip()
+
+
+def _line_tokens(model: GPT) -> int:
+    """Tokens a generated line may take: LINE_TOKENS, or a quarter of a small model's context."""
+    return min(LINE_TOKENS, model.config.block_size // 4)
 
 
 def _fit(tok: Tokenizer, prefix: str, suffix: str, room: int) -> tuple[list[int], list[int]]:
@@ -105,7 +110,7 @@ def line_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenLine], device
     training: left to right, the prefix stops before its newline (a byte-level BPE joins it to the indentation
     after it), so the model must start the line; an infill's prefix, suffix and middle are encoded apart, so the
     prefix ends with its newline and the middle is the line alone."""
-    room = model.config.block_size - LINE_TOKENS - 3
+    room = model.config.block_size - _line_tokens(model) - 3
     fim = isinstance(tok, FIMTokenizer)
     ends = {tok.eot, *(vars(tok.sentinels).values() if fim else ())}
     infilled = prefixed = 0
@@ -117,8 +122,9 @@ def line_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenLine], device
             p, s = _fit(tok, case.prefix + "\n", case.suffix, room)
             ids = [tok.sentinels.prefix, *p, tok.sentinels.suffix, *s, tok.sentinels.middle]
             infilled += _line(model, tok, ids, ends, device, dtype, newline=False) == target
-    n = max(1, len(cases))
-    return (infilled / n if fim else None), prefixed / n
+    if not cases:
+        return None, None
+    return (infilled / len(cases) if fim else None), prefixed / len(cases)
 
 
 def function_prompts(documents: list[str], n: int) -> list[tuple[str, str]]:
@@ -144,13 +150,14 @@ def body_of(text: str) -> str:
 def parse_rate(model: GPT, tok: Tokenizer, prompts: list[tuple[str, str]], device, dtype, seed: int = 0) -> float:
     """The share of sampled bodies (temperature 0.8) that complete their `def` line into Python that parses."""
     g = torch.Generator(device=device).manual_seed(seed)
-    room = model.config.block_size - BODY_TOKENS
+    body_tokens = min(BODY_TOKENS, model.config.block_size // 2)
+    room = model.config.block_size - body_tokens
     parsed = 0
     for context, signature in prompts:
         head = tok.encode(signature)
         ids = (tok.encode(context)[-max(0, room - len(head)) :] if room > len(head) else []) + head
         with autocast(device, dtype):
-            new = [int(t) for t in stream(model, ids, BODY_TOKENS, 1, temperature=0.8, eot=tok.eot, generator=g)]
+            new = [int(t) for t in stream(model, ids, body_tokens, 1, temperature=0.8, eot=tok.eot, generator=g)]
         new = new[: new.index(tok.eot)] if tok.eot in new else new
         try:
             ast.parse(textwrap.dedent(signature + body_of(tok.decode(new))))
@@ -173,9 +180,13 @@ def evaluate_code(
 
 
 def format_code(scores: CodeScores) -> str:
-    infill = "n/a (trained without FIM)" if scores.infill_exact is None else f"{scores.infill_exact:.1%}"
+    if scores.prefix_exact is None:
+        infill = prefix = "n/a (no held-out line to hide)"
+    else:
+        infill = "n/a (trained without FIM)" if scores.infill_exact is None else f"{scores.infill_exact:.1%}"
+        prefix = f"{scores.prefix_exact:.1%}"
     parse = "n/a (no functions)" if scores.parse_rate is None else f"{scores.parse_rate:.1%}"
     return (
-        f"code: single-line infilling exact match {infill}, prefix only {scores.prefix_exact:.1%} over "
+        f"code: single-line infilling exact match {infill}, prefix only {prefix} over "
         f"{scores.cases} held-out lines | sampled function bodies that parse {parse} of {scores.functions}"
     )

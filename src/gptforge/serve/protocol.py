@@ -166,20 +166,25 @@ def parse_infill(body: Any, limits: Limits) -> CompletionRequest:
     completion request. Options llama.cpp has and gptforge does not are ignored, as editor plugins send many."""
     if not isinstance(body, dict):
         raise ApiError(400, "expected a JSON object as the request body")
-    extra = body.get("input_extra") or []
+    extra = body.get("input_extra")
+    extra = [] if extra is None else extra
     if not isinstance(extra, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in extra):
         raise ApiError(400, '\'input_extra\' must be a list of {"filename", "text"} objects', "input_extra")
+    _check_unicode([c["text"] for c in extra], "input_extra")
     context = "".join(c["text"] if c["text"].endswith("\n") else c["text"] + "\n" for c in extra)
     model = body.get("model", "")
     if not isinstance(model, str):
         raise ApiError(400, "'model' must be a string (GET /v1/models lists them)", "model")
-    n_predict = body.get("n_predict", limits.max_tokens)
+    n_predict = body.get("n_predict", -1)
+    if type(n_predict) is not int or not (n_predict == -1 or n_predict >= 1):
+        raise ApiError(400, f"'n_predict' must be -1 (up to the cap) or a positive integer, got {_shown(n_predict)}",
+                       "n_predict")  # fmt: skip
     return CompletionRequest(
         model=model,
         prompts=[context + (_text(body, "input_prefix", "") or "")],
         suffix=_text(body, "input_suffix", "") or "",
         middle=_text(body, "prompt", "") or "",
-        max_tokens=min(limits.max_tokens, n_predict) if type(n_predict) is int and n_predict > 0 else limits.max_tokens,
+        max_tokens=limits.max_tokens if n_predict == -1 else min(limits.max_tokens, n_predict),
         temperature=_number(body, "temperature", 0.8, 0, 2),
         top_p=_number(body, "top_p", 0.95, 1e-9, 1),
         top_k=_number(body, "top_k", 40, 0, 1 << 30, integer=True) or None,
