@@ -21,6 +21,7 @@ LAYERS = [
     {"bench", "sample", "report", "serve"},
     {"demo"},
     {"speedrun"},
+    {"commands"},
     {"cli"},
     {"__main__"},
 ]

@@ -12,9 +12,8 @@ import traceback
 import warnings
 from pathlib import Path
 
-from gptforge import __version__
+from gptforge import __version__, commands
 from gptforge.errors import GptforgeError
-from gptforge.files import to_json
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES
 from gptforge.runtime.allocator import keep_freed_memory
@@ -31,204 +30,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from gptforge.data.dedup import DedupSettings
-    from gptforge.data.engine import EngineSettings
-    from gptforge.data.prepare import prepare, summarize
-
-    manifest = prepare(
-        args.source,
-        args.out,
-        tokenizer=args.tokenizer,
-        val_fraction=args.val_fraction,
-        shard_tokens=args.shard_tokens,
-        workers=args.workers,
-        text_field=args.text_field,
-        train_tokenizer=args.train_tokenizer,
-        decontaminate=args.decontaminate,
-        seed=args.seed,
-        force=args.force,
-        dedup=DedupSettings(
-            mode=args.dedup,
-            shingle=args.dedup_shingle,
-            hashes=args.dedup_hashes,
-            bands=args.dedup_bands,
-            threshold=args.dedup_threshold,
-        ),
-        clean=args.clean,
-        clean_set=args.clean_set,
-        ext=args.ext,
-        engine=EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time),
-    )
-    print(summarize(manifest, args.out))
-
-
-def cmd_train(args: argparse.Namespace) -> None:
-    from gptforge.config import describe, load_config
-    from gptforge.runtime.distributed import launcher_overrides
-    from gptforge.train.checkpointer import resume_config
-    from gptforge.train.setup import check_init_overrides
-    from gptforge.train.trainer import train
-
-    if args.help_config:
-        print(describe())
-        return
-    overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
-    if note:
-        print(note, flush=True)
-    if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
-        cfg = resume_config(Path(args.out), args.resume, overrides)
-    else:
-        cfg = load_config(args.config or "demo-cpu", overrides)
-    check_init_overrides(cfg, overrides)
-    train(cfg, args.out, resume=args.resume)
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    from gptforge.eval.suite import evaluate_checkpoint, format_results
-    from gptforge.runtime.threads import use_threads
-
-    use_threads(args.threads or 0)
-
-    result = evaluate_checkpoint(
-        args.checkpoint,
-        data=args.data,
-        text=args.text,
-        hellaswag=args.hellaswag,
-        limit=args.limit,
-        max_tokens=args.tokens,
-        batch_size=args.batch_size,
-        device_name=args.device,
-        humaneval=args.humaneval,
-        samples=args.samples,
-        ks=args.k,
-        temperature=args.temperature,
-        dtype=args.dtype,
-        lm_eval=args.lm_eval,
-        include_path=args.include_path,
-        code=args.code,
-    )
-    print(to_json(result) if args.json else format_results(result))
-
-
-def cmd_sample(args: argparse.Namespace) -> None:
-    from gptforge.runtime.threads import use_threads
-    from gptforge.sample import sample_texts
-
-    use_threads(args.threads or 0)
-
-    pieces = sample_texts(
-        args.checkpoint,
-        args.prompt or [""],
-        num_samples=args.num_samples,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k or None,
-        top_p=args.top_p,
-        seed=args.seed,
-        device=args.device,
-        use_cache=not args.no_cache,
-        dtype=args.dtype,
-        suffix=args.suffix,
-    )
-    at_line_start = True
-    try:
-        for piece in pieces:
-            print(piece, end="", flush=True)
-            at_line_start = piece.endswith("\n") if piece else at_line_start
-    finally:
-        if not at_line_start:  # an error or Ctrl-C mid-sample starts its message on a line of its own
-            print(flush=True)
-
-
-def cmd_export(args: argparse.Namespace) -> None:
-    from gptforge.hub.publish import export_checkpoint, export_gguf
-
-    if args.format == "gguf":
-        for flag in ("push", "branch", "message"):
-            if getattr(args, flag):
-                raise GptforgeError(f"--{flag}: only with --format hf (commit a GGUF file to a repository yourself)")
-        print(export_gguf(args.checkpoint, args.out, args.gguf_type or "f32", args.force))
-        return
-    if args.gguf_type:
-        raise GptforgeError(f"--gguf-type {args.gguf_type}: only with --format gguf")
-    if Path(args.out).suffix.lower() == ".gguf":
-        raise GptforgeError(f"--out {args.out}: a .gguf name for a Hugging Face folder; add --format gguf")
-    for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message, args.force):
-        print(line)
-
-
-def cmd_import(args: argparse.Namespace) -> None:
-    from gptforge.hub.publish import import_checkpoint
-
-    print(import_checkpoint(args.hf_dir, args.out, args.force))
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from gptforge.bench import format_bench, run_bench
-    from gptforge.config import load_config
-
-    r = run_bench(load_config(args.config, args.set), args.steps, args.warmup, reference=not args.no_reference)
-    print(to_json(r) if args.json else format_bench(r, args.config))
-
-
-def cmd_plot(args: argparse.Namespace) -> None:
-    from gptforge.report.plot import plot_runs
-
-    print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
-
-
-def cmd_report(args: argparse.Namespace) -> None:
-    from gptforge.report.summary import run_report
-
-    print(run_report(args.run_dir), end="")
-
-
-def cmd_demo(args: argparse.Namespace) -> None:
-    from gptforge.demo import run_demo
-
-    run_demo(args.out, args.data, args.time_budget, args.set, args.force, args.config)
-
-
-def cmd_speedrun(args: argparse.Namespace) -> None:
-    from gptforge.config import preset_path
-    from gptforge.speedrun import format_summary, speedrun
-
-    recipes = {"gpt2": args.gpt2_config, "modern": args.modern_config}
-    for recipe, preset in recipes.items():
-        preset_path(preset, f"--{recipe}-config")  # a wrong name is refused under its own flag
-    summary = speedrun(args.out, args.budget, args.seeds, args.data, recipes, args.set, args.force)
-    print(to_json(summary) if args.json else format_summary(summary))
-
-
-def cmd_serve(args: argparse.Namespace) -> None:
-    try:
-        from gptforge.serve.app import serve
-        from gptforge.serve.protocol import Limits
-    except ImportError as e:  # the optional extra is not installed
-        raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
-
-    limits = Limits(
-        max_tokens=args.max_tokens,
-        max_n=args.max_n,
-        queue=args.queue,
-        request_timeout=args.request_timeout,
-        read_timeout=args.read_timeout,
-    )
-    serve(
-        args.path,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        limits=limits,
-        cors=tuple(args.cors),
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        allow_hosts=tuple(args.allow_host),
-    )
 
 
 def _ks(text: str) -> tuple[int, ...]:
@@ -347,7 +148,7 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="salt for the validation split's hash (default 0)")
     s.add_argument("--force", action="store_true", help="replace what --out holds (once the new data is complete)")
     _add_cleaning_flags(s)
-    s.set_defaults(func=cmd_prepare)
+    s.set_defaults(func=commands.cmd_prepare)
 
     s = sub.add_parser("train", help="train a GPT on prepared shards")
     s.add_argument(
@@ -366,7 +167,7 @@ def _add_data_commands(sub) -> None:
         help="continue --out from its newest intact checkpoint (auto; none yet: start) or from PATH",
     )
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
-    s.set_defaults(func=cmd_train)
+    s.set_defaults(func=commands.cmd_train)
 
 
 def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
@@ -418,7 +219,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
     _add_compute_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=cmd_eval)
+    s.set_defaults(func=commands.cmd_eval)
 
     s = sub.add_parser("sample", help="generate text from a checkpoint")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
@@ -434,7 +235,7 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--seed", type=_seed, default=0, help="random seed, in [0, 2**63) (default 0)")
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     _add_compute_flags(s)
-    s.set_defaults(func=cmd_sample)
+    s.set_defaults(func=commands.cmd_sample)
 
     s = sub.add_parser(
         "export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee) or a GGUF file"
@@ -451,13 +252,13 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--branch", help="branch to push to (default: the run folder's name)")
     s.add_argument("--message", help="commit message (default: 'step N')")
     _add_force_flag(s)
-    s.set_defaults(func=cmd_export)
+    s.set_defaults(func=commands.cmd_export)
 
     s = sub.add_parser("import", help="turn a Hugging Face GPT-2/Llama/Qwen3/Arcee folder into a gptforge checkpoint")
     s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     _add_force_flag(s)
-    s.set_defaults(func=cmd_import)
+    s.set_defaults(func=commands.cmd_import)
 
 
 def _add_run_commands(sub) -> None:
@@ -465,7 +266,7 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("plot", help="PNG of runs' loss, bpb, HellaSwag, lr, grad norm, tokens/s (overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     s.add_argument("--out", help="PNG path (default: the first RUN_DIR/loss.png)")
-    s.set_defaults(func=cmd_plot)
+    s.set_defaults(func=commands.cmd_plot)
 
     s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")
     s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
@@ -474,11 +275,11 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--warmup", type=_at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
     s.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=cmd_bench)
+    s.set_defaults(func=commands.cmd_bench)
 
     s = sub.add_parser("report", help="markdown summary of a run (printed and written to RUN_DIR/report.md)")
     s.add_argument("run_dir")
-    s.set_defaults(func=cmd_report)
+    s.set_defaults(func=commands.cmd_report)
 
     s = sub.add_parser("speedrun", help="time to quality: the GPT-2 recipe against the modern one, same budget")
     s.add_argument("--budget", type=_at_least(1.0, float), default=120.0, help="seconds per run (default 120)")
@@ -490,7 +291,7 @@ def _add_run_commands(sub) -> None:
     _add_set_flag(s, "override, both recipes")
     _add_force_flag(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=cmd_speedrun)
+    s.set_defaults(func=commands.cmd_speedrun)
 
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
@@ -501,7 +302,7 @@ def _add_run_commands(sub) -> None:
     )
     _add_force_flag(s)
     _add_set_flag(s)
-    s.set_defaults(func=cmd_demo)
+    s.set_defaults(func=commands.cmd_demo)
 
 
 def _add_serve_command(sub) -> None:
@@ -535,7 +336,7 @@ def _add_serve_command(sub) -> None:
         help="answer requests whose Host is NAME too ('*': any); by default only the --host address's names",
     )
     _add_compute_flags(s, threads_help=f"{THREADS_HELP}; 1 beside a CPU training run")
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=commands.cmd_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,208 @@
+"""What each `gptforge` subcommand does with its parsed arguments; cli.py builds the parser and runs one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from gptforge.errors import GptforgeError
+from gptforge.files import to_json
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from gptforge.data.dedup import DedupSettings
+    from gptforge.data.engine import EngineSettings
+    from gptforge.data.prepare import prepare, summarize
+
+    manifest = prepare(
+        args.source,
+        args.out,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        text_field=args.text_field,
+        train_tokenizer=args.train_tokenizer,
+        decontaminate=args.decontaminate,
+        seed=args.seed,
+        force=args.force,
+        dedup=DedupSettings(
+            mode=args.dedup,
+            shingle=args.dedup_shingle,
+            hashes=args.dedup_hashes,
+            bands=args.dedup_bands,
+            threshold=args.dedup_threshold,
+        ),
+        clean=args.clean,
+        clean_set=args.clean_set,
+        ext=args.ext,
+        engine=EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time),
+    )
+    print(summarize(manifest, args.out))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from gptforge.config import describe, load_config
+    from gptforge.runtime.distributed import launcher_overrides
+    from gptforge.train.checkpointer import resume_config
+    from gptforge.train.setup import check_init_overrides
+    from gptforge.train.trainer import train
+
+    if args.help_config:
+        print(describe())
+        return
+    overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
+    if note:
+        print(note, flush=True)
+    if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
+        cfg = resume_config(Path(args.out), args.resume, overrides)
+    else:
+        cfg = load_config(args.config or "demo-cpu", overrides)
+    check_init_overrides(cfg, overrides)
+    train(cfg, args.out, resume=args.resume)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from gptforge.eval.suite import evaluate_checkpoint, format_results
+    from gptforge.runtime.threads import use_threads
+
+    use_threads(args.threads or 0)
+
+    result = evaluate_checkpoint(
+        args.checkpoint,
+        data=args.data,
+        text=args.text,
+        hellaswag=args.hellaswag,
+        limit=args.limit,
+        max_tokens=args.tokens,
+        batch_size=args.batch_size,
+        device_name=args.device,
+        humaneval=args.humaneval,
+        samples=args.samples,
+        ks=args.k,
+        temperature=args.temperature,
+        dtype=args.dtype,
+        lm_eval=args.lm_eval,
+        include_path=args.include_path,
+        code=args.code,
+    )
+    print(to_json(result) if args.json else format_results(result))
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    from gptforge.runtime.threads import use_threads
+    from gptforge.sample import sample_texts
+
+    use_threads(args.threads or 0)
+
+    pieces = sample_texts(
+        args.checkpoint,
+        args.prompt or [""],
+        num_samples=args.num_samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        seed=args.seed,
+        device=args.device,
+        use_cache=not args.no_cache,
+        dtype=args.dtype,
+        suffix=args.suffix,
+    )
+    at_line_start = True
+    try:
+        for piece in pieces:
+            print(piece, end="", flush=True)
+            at_line_start = piece.endswith("\n") if piece else at_line_start
+    finally:
+        if not at_line_start:  # an error or Ctrl-C mid-sample starts its message on a line of its own
+            print(flush=True)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from gptforge.hub.publish import export_checkpoint, export_gguf
+
+    if args.format == "gguf":
+        for flag in ("push", "branch", "message"):
+            if getattr(args, flag):
+                raise GptforgeError(f"--{flag}: only with --format hf (commit a GGUF file to a repository yourself)")
+        print(export_gguf(args.checkpoint, args.out, args.gguf_type or "f32", args.force))
+        return
+    if args.gguf_type:
+        raise GptforgeError(f"--gguf-type {args.gguf_type}: only with --format gguf")
+    if Path(args.out).suffix.lower() == ".gguf":
+        raise GptforgeError(f"--out {args.out}: a .gguf name for a Hugging Face folder; add --format gguf")
+    for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message, args.force):
+        print(line)
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from gptforge.hub.publish import import_checkpoint
+
+    print(import_checkpoint(args.hf_dir, args.out, args.force))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from gptforge.bench import format_bench, run_bench
+    from gptforge.config import load_config
+
+    r = run_bench(load_config(args.config, args.set), args.steps, args.warmup, reference=not args.no_reference)
+    print(to_json(r) if args.json else format_bench(r, args.config))
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    from gptforge.report.plot import plot_runs
+
+    print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from gptforge.report.summary import run_report
+
+    print(run_report(args.run_dir), end="")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from gptforge.demo import run_demo
+
+    run_demo(args.out, args.data, args.time_budget, args.set, args.force, args.config)
+
+
+def cmd_speedrun(args: argparse.Namespace) -> None:
+    from gptforge.config import preset_path
+    from gptforge.speedrun import format_summary, speedrun
+
+    recipes = {"gpt2": args.gpt2_config, "modern": args.modern_config}
+    for recipe, preset in recipes.items():
+        preset_path(preset, f"--{recipe}-config")  # a wrong name is refused under its own flag
+    summary = speedrun(args.out, args.budget, args.seeds, args.data, recipes, args.set, args.force)
+    print(to_json(summary) if args.json else format_summary(summary))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from gptforge.serve.app import serve
+        from gptforge.serve.protocol import Limits
+    except ImportError as e:  # the optional extra is not installed
+        raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
+
+    limits = Limits(
+        max_tokens=args.max_tokens,
+        max_n=args.max_n,
+        queue=args.queue,
+        request_timeout=args.request_timeout,
+        read_timeout=args.read_timeout,
+    )
+    serve(
+        args.path,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        limits=limits,
+        cors=tuple(args.cors),
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        allow_hosts=tuple(args.allow_host),
+    )
