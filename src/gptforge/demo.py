@@ -9,7 +9,7 @@ import torch
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
-from gptforge.data.fim import FIMTokenizer, infill_prompt
+from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.data.prepare import prepare
 from gptforge.files import check_output_dir, locked, replacing_dir, write_json
 from gptforge.model.generate import generate
@@ -65,7 +65,7 @@ def run_demo(
     infill = None
     if isinstance(tok, FIMTokenizer):
         prefix, suffix = INFILL
-        ends = {tok.eot, *vars(tok.sentinels).values()}
+        ends = end_ids(tok)
         new = generate(model, infill_prompt(tok, prefix, suffix), 32, temperature=0.0, eot=tok.eot)[0]
         middle = tok.decode(new[: next((i for i, t in enumerate(new) if t in ends), len(new))])
         infill = {"prefix": prefix, "middle": middle, "suffix": suffix}

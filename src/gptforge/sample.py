@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
-from gptforge.data.fim import FIMTokenizer, infill_prompt
+from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
@@ -43,7 +43,7 @@ def sample_texts(
 
 def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tuple, suffix: str | None) -> Iterator[str]:
     tok, index = run.tokenizer, 0
-    ends = {tok.eot, *(vars(tok.sentinels).values() if isinstance(tok, FIMTokenizer) else ())}
+    ends = end_ids(tok)
     for prompt in prompts:
         # An empty prompt starts a fresh document, as training documents start after EOT.
         ids = infill_prompt(tok, prompt, suffix) if suffix is not None else tok.encode(prompt) or [tok.eot]

@@ -58,6 +58,12 @@ def with_fim(tokenizer: Tokenizer, fim_rate: float) -> Tokenizer:
     return FIMTokenizer(tokenizer) if fim_rate > 0 and not isinstance(tokenizer, FIMTokenizer) else tokenizer
 
 
+def end_ids(tokenizer: Tokenizer) -> set[int]:
+    """Tokens that end a generated text: EOT, and a FIM model's sentinels (an infilled middle ends there too)."""
+    sentinels = vars(tokenizer.sentinels).values() if isinstance(tokenizer, FIMTokenizer) else ()
+    return {tokenizer.eot, *sentinels}
+
+
 def infill_prompt(tokenizer: FIMTokenizer, prefix: str, suffix: str) -> list[int]:
     """The PSM prompt whose continuation is the middle: prefix, suffix, then the middle sentinel."""
     s = tokenizer.sentinels

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptforge.data.fim import FIMTokenizer
+from gptforge.data.fim import FIMTokenizer, end_ids
 from gptforge.data.shards import read_manifest, read_shard
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.model.generate import stream
@@ -112,7 +112,7 @@ def line_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenLine], device
     prefix ends with its newline and the middle is the line alone."""
     room = model.config.block_size - _line_tokens(model) - 3
     fim = isinstance(tok, FIMTokenizer)
-    ends = {tok.eot, *(vars(tok.sentinels).values() if fim else ())}
+    ends = end_ids(tok)
     infilled = prefixed = 0
     for case in cases:
         target = case.line.rstrip()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
-from gptforge.data.fim import FIMTokenizer, infill_prompt
+from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
@@ -158,7 +158,7 @@ class Engine:
         if req.echo:
             for j in range(req.n):
                 job.emit(Text(first + j, tok.decode(ids)))
-        ends = {tok.eot, *(vars(tok.sentinels).values() if isinstance(tok, FIMTokenizer) else ())}
+        ends = end_ids(tok)
         steps = stream(run.model, ids, req.max_tokens, req.n, req.temperature, req.top_k, req.top_p, tok.eot, g)
         while not job.cancel.is_set() and not self.stopping.is_set() and time.monotonic() < job.deadline:
             with autocast(run.device, run.dtype):  # around the model only
