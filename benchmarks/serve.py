@@ -1,12 +1,14 @@
 """A bounded load test of `gptforge serve`: k concurrent clients send a fixed count of completions.
 
-    python benchmarks/serve.py PATH [--clients 4] [--requests 64] [--max-tokens 64] [--prompt TEXT] [--stream]
-                                    [--queue N] [--threads N]
+    python benchmarks/serve.py PATH [--clients 1,8] [--requests 64] [--max-tokens 64] [--prompt TEXT] [--stream]
+                                    [--queue N] [--parallel N] [--threads N] [--json FILE]
 
-Starts `gptforge serve PATH` on a free port of 127.0.0.1 (its --queue: every client, unless --queue), sends
---requests completions from --clients threads, then prints p50/p99 latency (time to the whole answer; with
---stream, also to the first token), generated tokens/s over the whole run, how many were refused (429), and
-whether the server still answers /v1/models afterwards.
+Starts `gptforge serve PATH` on a free port of 127.0.0.1 (its --queue: every client, unless --queue), then for each
+count in --clients in turn sends --requests completions from that many threads and prints p50/p99 latency (time to
+the whole answer; with --stream, also to the first token), generated tokens/s over the round, how many were refused
+(429), and whether the server still answers /v1/models. With several counts, each round is compared with the
+first: its tokens/s and p50 latency as multiples of the first round's (issue 25's target for 8 clients against 1:
+>= 3x the tokens/s, <= 2x the p50).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 
 def start_server(path: str, queue: int, flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
@@ -66,55 +69,85 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("path", help="a run folder or checkpoint for `gptforge serve`")
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--clients", default="4", help="concurrent clients; a list (1,8) runs a round for each")
+    p.add_argument("--requests", type=int, default=64, help="completions sent in each round")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--stream", action="store_true", help="stream, and time the first token too")
-    p.add_argument("--queue", type=int, help="the server's --queue (default: --clients, so none is refused)")
+    p.add_argument("--queue", type=int, help="the server's --queue (default: the most clients, so none is refused)")
+    p.add_argument("--parallel", help="the server's --parallel")
     p.add_argument("--threads", help="the server's --threads")
+    p.add_argument("--json", help="also write the rounds' figures to this file")
     args = p.parse_args()
-    flags = ("--threads", args.threads) if args.threads else ()
-    server, url = start_server(args.path, args.clients if args.queue is None else args.queue, flags)
+    counts = [int(c) for c in args.clients.split(",")]
+    flags = tuple(
+        f for name in ("threads", "parallel") if getattr(args, name) for f in (f"--{name}", getattr(args, name))
+    )
+    server, url = start_server(args.path, max(counts) if args.queue is None else args.queue, flags)
     try:
         model = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=60))["data"][0]["id"]
         body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 1.0}
         body |= {"stream": True, "stream_options": {"include_usage": True}} if args.stream else {}
         post(url, body | {"max_tokens": 4})  # loads the checkpoint: not part of the figures
-        seeds = iter(range(args.requests))
-        lock = threading.Lock()
-
-        def one(_: int) -> tuple[float, float, int, int]:
-            with lock:
-                seed = next(seeds)
-            return post(url, body | {"seed": seed})
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            results = list(pool.map(one, range(args.requests)))
-        wall = time.perf_counter() - t0
-        report(args, results, wall, url)
+        rounds = [one_round(url, body, clients, args) for clients in counts]
     finally:
         server.terminate()
         server.wait(timeout=30)
+    for r in rounds[1:]:
+        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / rounds[0]["tokens_per_s"]
+        r["p50_vs_first"] = r["p50_s"] / rounds[0]["p50_s"]
+        print(
+            f"{r['clients']} clients against {rounds[0]['clients']}: {r['tokens_per_s_vs_first']:.2f}x the tokens/s, "
+            f"p50 latency {r['p50_vs_first']:.2f}x"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"flags": list(flags), "rounds": rounds}, indent=1) + "\n")
 
 
-def report(args: argparse.Namespace, results: list[tuple[float, float, int, int]], wall: float, url: str) -> None:
+def one_round(url: str, body: dict, clients: int, args: argparse.Namespace) -> dict:
+    """`args.requests` completions from `clients` threads, each request its own seed; the round's figures."""
+    seeds = iter(range(args.requests))
+    lock = threading.Lock()
+
+    def one(_: int) -> tuple[float, float, int, int]:
+        with lock:
+            seed = next(seeds)
+        return post(url, body | {"seed": seed})
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, range(args.requests)))
+    return report(args, clients, results, time.perf_counter() - t0, url)
+
+
+def report(
+    args: argparse.Namespace, clients: int, results: list[tuple[float, float, int, int]], wall: float, url: str
+) -> dict:
     ok = [r for r in results if r[3] == 200]
     latency = [r[0] for r in ok]
     tokens = sum(r[2] for r in ok)
-    print(f"{args.requests} requests from {args.clients} clients, max_tokens {args.max_tokens}, in {wall:.1f} s")
-    print(
-        f"answered {len(ok)}, refused (429) {sum(r[3] == 429 for r in results)}, other errors "
-        f"{sum(r[3] not in (200, 429) for r in results)}"
-    )
-    print(f"latency p50 {statistics.median(latency):.3f} s, p99 {percentile(latency, 99):.3f} s")
+    figures = {
+        "clients": clients,
+        "requests": args.requests,
+        "answered": len(ok),
+        "refused": sum(r[3] == 429 for r in results),
+        "errors": sum(r[3] not in (200, 429) for r in results),
+        "p50_s": statistics.median(latency),
+        "p99_s": percentile(latency, 99),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+    }
+    print(f"{args.requests} requests from {clients} clients, max_tokens {args.max_tokens}, in {wall:.1f} s")
+    print(f"answered {len(ok)}, refused (429) {figures['refused']}, other errors {figures['errors']}")
+    print(f"latency p50 {figures['p50_s']:.3f} s, p99 {figures['p99_s']:.3f} s")
     if args.stream:
         first = [r[1] for r in ok]
-        print(f"first token p50 {statistics.median(first):.3f} s, p99 {percentile(first, 99):.3f} s")
-    print(f"generated {tokens} tokens: {tokens / wall:.1f} tokens/s")
+        figures |= {"first_token_p50_s": statistics.median(first), "first_token_p99_s": percentile(first, 99)}
+        print(f"first token p50 {figures['first_token_p50_s']:.3f} s, p99 {figures['first_token_p99_s']:.3f} s")
+    print(f"generated {tokens} tokens: {figures['tokens_per_s']:.1f} tokens/s")
     alive = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=60))["data"]
     print(f"afterwards /v1/models answers: {[m['id'] for m in alive]}")
+    return figures
 
 
 if __name__ == "__main__":

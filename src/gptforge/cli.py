@@ -317,7 +317,13 @@ def _add_serve_command(sub) -> None:
     )
     s.add_argument("--max-tokens", type=_at_least(1), default=1024, help="largest max_tokens a request may ask")
     s.add_argument("--max-n", type=_at_least(1), default=8, help="largest n (completions per prompt)")
-    s.add_argument("--queue", type=_at_least(0), default=8, help="requests waiting while one generates; more: 429")
+    s.add_argument(
+        "--parallel",
+        type=_at_least(1),
+        default=8,
+        help="completions generated together, a token a step for each (continuous batching; default 8)",
+    )
+    s.add_argument("--queue", type=_at_least(0), default=8, help="requests waiting beyond --parallel; more: 429")
     s.add_argument(
         "--request-timeout", type=_at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
     )

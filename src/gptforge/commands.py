@@ -190,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = Limits(
         max_tokens=args.max_tokens,
         max_n=args.max_n,
+        parallel=args.parallel,
         queue=args.queue,
         request_timeout=args.request_timeout,
         read_timeout=args.read_timeout,

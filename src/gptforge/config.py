@@ -133,6 +133,10 @@ class EvalConfig:
     """HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag) scored at every evaluation (empty: none)."""
     hellaswag_limit: int = 0
     """HellaSwag examples per evaluation (0: all 10,042)."""
+    code: int = 0
+    """Code measures at every evaluation on the validation split (0: none): N hidden lines and N hidden 3-line
+    spans written back (with the suffix for a FIM model, and from the prefix alone), and up to N sampled function
+    bodies parsed; the first process scores them."""
     prompt: str = "def fibonacci(n):"
     """Prompt for the text sample printed at each evaluation."""
     sample_tokens: int = 64
@@ -287,6 +291,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "eval.every": _at_least(0),
     "eval.tokens": _at_least(1),
     "eval.hellaswag_limit": _at_least(0),
+    "eval.code": _at_least(0),
     "eval.sample_tokens": _at_least(0),
     "checkpoint.every": _at_least(0),
     "checkpoint.keep_last": _at_least(0),

@@ -23,12 +23,15 @@ FIELDS = {
     "train": ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "time"),
     "val": ("loss", "ppl", "bpb"),
     "hellaswag": ("acc_norm_token", "n"),
+    "code": ("cases", "prefix_exact", "parse_rate"),
 }
 # Names older runs wrote, read under today's: HellaSwag's per-token acc_norm, named so since lm-eval's is per character.
 OLD_NAMES = {"hellaswag": {"acc_norm": "acc_norm_token"}}
 
 
-def read_metrics(run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", "hellaswag")) -> dict[str, list[dict]]:
+def read_metrics(
+    run_dir: str | Path, kinds: tuple[str, ...] = ("train", "val", "hellaswag", "code")
+) -> dict[str, list[dict]]:
     """A run's metrics.jsonl records grouped by kind, in file order (a line torn by a crash at the end is skipped)."""
     path = Path(run_dir) / METRICS
     if not path.is_file():

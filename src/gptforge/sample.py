@@ -52,11 +52,14 @@ def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tupl
                 f"--prompt/--suffix: the infill prompt has {len(ids):,} tokens, the model's context "
                 f"{run.model.config.block_size:,}; shorten the prefix or the suffix"
             )
+        steps = settings
+        if suffix is not None:  # the middle ends where the context does, its sentinels still in the window
+            steps = (min(settings[0], run.model.config.block_size - len(ids) + 1), *settings[1:])
         for _ in range(num_samples):
             yield f"--- sample {index}\n{prompt}"
             new: list[int] = []
             shown = ""
-            tokens = stream(run.model, ids, *settings)
+            tokens = stream(run.model, ids, *steps)
             while True:
                 with autocast(run.device, run.dtype):  # around the model only, not around our caller's code
                     nxt = next(tokens, None)

@@ -1,5 +1,6 @@
-"""Code measures: hidden lines cut documents exactly, the scorer counts a line only when the model starts a new
-line and writes it exactly, function bodies are cut where they dedent, and `gptforge eval --code` reports both."""
+"""Code measures: hidden lines and spans cut documents exactly, the scorer counts a middle only when the model
+starts a new line and writes every line of it exactly, function bodies are cut where they dedent, `gptforge eval
+--code` reports them, and training logs them at each evaluation for the plot and the report."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from gptforge.config import load_config
 from gptforge.data.fim import FIMTokenizer
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.eval import code
-from gptforge.eval.code import HiddenLine, body_of, hidden_lines, line_exact_match
+from gptforge.eval.code import HiddenSpan, body_of, hidden_spans, span_exact_match
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.train.trainer import train
 
@@ -19,12 +20,19 @@ DOCS = [
 ]
 
 
-def test_hidden_lines_cut_each_document_exactly_and_are_seeded():
-    cases = hidden_lines(DOCS, 4, seed=1)
-    assert len(cases) == 4 and cases == hidden_lines(DOCS, 4, seed=1)
+def test_hidden_lines_and_spans_cut_each_document_exactly_and_are_seeded():
+    cases = hidden_spans(DOCS, 4, seed=1)
+    assert len(cases) == 4 and cases == hidden_spans(DOCS, 4, seed=1)
     for c in cases:
-        assert c.prefix + "\n" + c.line + c.suffix in DOCS and len(c.line.strip()) >= 8
-    assert len(hidden_lines(DOCS, 100, seed=1)) == 5  # every line with 8+ characters but the first and last
+        assert c.prefix + "\n" + c.middle + c.suffix in DOCS and len(c.middle.strip()) >= 8
+    assert len(hidden_spans(DOCS, 100, seed=1)) == 5  # every line with 8+ characters but the first and last
+    spans = hidden_spans(DOCS, 100, seed=1, lines=2)
+    assert [c.middle for c in spans] == [
+        "def walk(root):\n    for name in os.listdir(root):",
+        "    for name in os.listdir(root):\n        yield name",
+        "    def f(self):\n        return self.x + 1",
+    ]
+    assert all(c.prefix + "\n" + c.middle + c.suffix in DOCS for c in spans)
 
 
 def test_every_held_out_document_is_read_whole(data_dir):
@@ -43,12 +51,15 @@ def test_a_body_ends_where_the_code_dedents():
 
 
 @pytest.mark.parametrize("fim", [False, True])
-def test_a_line_counts_only_when_written_exactly(monkeypatch, fim):
+def test_a_middle_counts_only_when_written_exactly(monkeypatch, fim):
     tok = FIMTokenizer(load_tokenizer("gpt2")) if fim else load_tokenizer("gpt2")
-    cases = [HiddenLine("def f(x):", "    return x + 1", "\n"), HiddenLine("def g(y):", "    return y * 2", "\n")]
+    cases = [
+        HiddenSpan("def f(x):", "    return x + 1", "\n"),
+        HiddenSpan("def g(y):", "    y += 1\n    return y * 2", "\n"),
+    ]
     answers = {  # what the stub model writes: the right middle with a suffix, a near miss or no newline without
-        True: ["    return x + 1\n    ", "    return y * 2  \n"],
-        False: ["\n    return x + 2\n", "    return y * 2\n"],
+        True: ["    return x + 1\n    ", "    y += 1 \n    return y * 2  \nmore"],
+        False: ["\n    return x + 2\n", "    y += 1\n    return y * 2\n"],
     }
 
     def fake_stream(model, ids, *args, **kwargs):
@@ -58,7 +69,7 @@ def test_a_line_counts_only_when_written_exactly(monkeypatch, fim):
 
     monkeypatch.setattr(code, "stream", fake_stream)
     model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=1, n_embd=8))
-    infill, prefix = line_exact_match(model, tok, cases, torch.device("cpu"), torch.float32)
+    infill, prefix = span_exact_match(model, tok, cases, torch.device("cpu"), torch.float32)
     assert prefix == 0.0 and infill == (1.0 if fim else None)
 
 
@@ -67,7 +78,27 @@ def test_eval_code_reports_both_measures_and_needs_data(data_dir, tmp_path, caps
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "run"), "--data", str(data_dir), "--code", "3", "--tokens", "512"]) == 0
     out = capsys.readouterr().out
-    assert "single-line infilling exact match n/a (trained without FIM), prefix only" in out
-    assert "over 3 held-out lines | sampled function bodies that parse" in out
+    assert "code: infilling exact match, one line n/a (trained without FIM), prefix only" in out
+    assert "over 3; 3 lines n/a (trained without FIM), prefix only" in out and "function bodies that parse" in out
     assert main(["eval", str(tmp_path / "run"), "--code", "3"]) == 1
     assert "--code 3: needs --data" in capsys.readouterr().err
+
+
+def test_training_scores_code_at_each_evaluation_and_the_plot_and_report_show_it(data_dir, tmp_path):
+    from gptforge.report.plot import CODE, plot_runs
+    from gptforge.report.summary import run_report
+    from gptforge.rundir import read_metrics
+
+    run = tmp_path / "run"
+    overrides = ["train.max_steps=2", "eval.every=1", "eval.code=2", "data.fim_rate=0.5"]
+    train(load_config("tiny", [f"data.path={data_dir}", *overrides]), run)
+    records = read_metrics(run)["code"]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert (r["cases"], r["spans"]) == (2, 2) and r["functions"] >= 1
+        assert all(0 <= r[k] <= 1 for k in ("infill_exact", "prefix_exact", "span_infill_exact", "parse_rate"))
+    plot = plot_runs([run])
+    assert CODE in plot.panels and any(a.startswith(f"{CODE}: run bodies that parse") for a in plot.annotations)
+    report = run_report(run)
+    assert "| code infilling exact match, one line (step 2, 2 held-out cases) |" in report
+    assert "| code: sampled function bodies that parse |" in report

@@ -84,3 +84,32 @@ def test_a_diverged_model_is_an_error_on_the_greedy_path_too():
     logits[1, 3] = float("inf")
     with pytest.raises(GptforgeError, match="diverged"):
         sample_next(logits, temperature=0)
+
+
+MODERN = dict(norm="rmsnorm", position="rotary", qk_norm=True, bias=False, tie_embeddings=False, mlp="relu2")
+
+
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+def test_a_row_cache_decodes_rows_of_different_lengths_as_separate_forwards(block):
+    from gptforge.model.gpt import KVCache, RowCache
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=16, **block)).eval()
+    seqs = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    rows = RowCache(model.config, 4, torch.device("cpu"))
+    with torch.no_grad():
+        for ids in seqs:
+            prompt = KVCache(model.config, 1, torch.device("cpu"))
+            model(torch.tensor([ids]), cache=prompt)
+            assert rows.add(prompt) == len(rows.lengths) - 1
+        for new in ([11, 12, 13], [14, 15, 16]):
+            got = model(torch.tensor(new)[:, None], cache=rows)[0][:, -1]
+            seqs = [s + [t] for s, t in zip(seqs, new, strict=True)]
+            expected = torch.stack([model(torch.tensor([s]))[0][0, -1] for s in seqs])
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        rows.remove(0)  # the last row moves into row 0
+        seqs = [seqs[2], seqs[1]]
+        assert rows.lengths == [len(s) for s in seqs]
+        got = model(torch.tensor([[17], [18]]), cache=rows)[0][:, -1]
+        expected = torch.stack([model(torch.tensor([s + [t]]))[0][0, -1] for s, t in zip(seqs, (17, 18), strict=True)])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

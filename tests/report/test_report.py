@@ -22,12 +22,14 @@ def test_plot_overlays_runs_with_every_panel_and_report(data_dir, tmp_path, caps
                 "eval.every=2",
                 f"optim.lr={lr}",
                 f"eval.hellaswag={hellaswag}",
+                "eval.code=2",
             ],
         )
         train(cfg, tmp_path / name)
     plot = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
     out = plot.path
     assert plot.panels == list(PANELS) and "HellaSwag acc_norm_token" in plot.panels and "tokens/s" in plot.panels
+    assert sum(a.startswith("code: exact match, parse rate: ") for a in plot.annotations) == 2 * 3  # not infilling
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The last evaluation's values are written on the panels, for each run.
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -37,10 +39,10 @@ def test_plot_overlays_runs_with_every_panel_and_report(data_dir, tmp_path, caps
     # Without HellaSwag results there is no HellaSwag panel.
     train(load_config("tiny", [f"data.path={data_dir}", "train.max_steps=2"]), tmp_path / "c")
     bare = plot_runs([tmp_path / "c"])
-    assert "HellaSwag acc_norm_token" not in bare.panels and len(bare.panels) == 5
+    assert "HellaSwag acc_norm_token" not in bare.panels and len(bare.panels) == 5  # nor code measures
     from PIL import Image
 
-    assert Image.open(out).size == (1600, 850)
+    assert Image.open(out).size == (1600, 1275)  # 7 panels: 3 rows
 
     capsys.readouterr()
     assert main(["report", str(tmp_path / "a")]) == 0

@@ -20,7 +20,9 @@ CAP = 100_000  # max_tokens cap: high, so that one request can keep the model bu
 @pytest.fixture(scope="module")
 def server(runs_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with serving(runs_dir, "--api-key", KEY, "--max-tokens", CAP, "--queue", "0", "--max-n", "4", log=log) as url:
+    with serving(
+        runs_dir, "--api-key", KEY, "--max-tokens", CAP, "--parallel", "1", "--queue", "0", "--max-n", "4", log=log
+    ) as url:
         yield url
 
 
@@ -114,8 +116,8 @@ def test_a_bad_key_an_unknown_model_a_huge_body_and_bad_json(client, server):
 
 
 def test_a_busy_server_answers_429_and_a_client_that_leaves_frees_it(client):
-    # --queue 0: one request at a time. 4 x CAP tokens keep the tiny model busy for minutes unless stopped (seeded,
-    # so no early end-of-text either).
+    # --parallel 1 --queue 0: one request at a time. 4 x CAP tokens keep the tiny model busy for minutes unless
+    # stopped.
     long = client.completions.create(model="alpha", prompt="def", max_tokens=CAP, n=4, seed=0, stream=True)
     assert next(iter(long)).choices  # generating now
     with pytest.raises(openai.RateLimitError) as caught:

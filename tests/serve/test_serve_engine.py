@@ -12,7 +12,8 @@ import time
 import pytest
 
 from gptforge.cli import main
-from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Started
+from gptforge.serve.engine import Engine
+from gptforge.serve.jobs import Done, Event, Failed, Finish, Job, Started
 from gptforge.serve.protocol import ApiError, Limits, parse_completion
 from gptforge.serve.runs import check_root, find_sources
 from gptforge.serve.text import Continuation
@@ -72,7 +73,7 @@ def test_the_time_limit_ends_every_choice_as_length_and_the_newest_checkpoint_is
 
 
 def test_requests_past_the_queue_are_refused_and_errors_carry_openai_fields(runs_dir):
-    engine = Engine(runs_dir, Limits(queue=1))
+    engine = Engine(runs_dir, Limits(parallel=1, queue=1))
     engine.admit(), engine.admit()
     with pytest.raises(ApiError) as caught:
         engine.admit()

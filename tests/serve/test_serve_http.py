@@ -15,7 +15,8 @@ import pytest
 from tests.serve.server import server_process, serving
 
 from gptforge.errors import GptforgeError
-from gptforge.serve.engine import Engine, Failed, Job
+from gptforge.serve.engine import Engine
+from gptforge.serve.jobs import Failed, Job
 from gptforge.serve.protocol import Limits, parse_completion
 
 testclient = pytest.importorskip("starlette.testclient")

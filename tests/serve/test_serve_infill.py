@@ -75,6 +75,10 @@ def test_llama_cpp_infill_route_answers_as_llama_server(server, expected):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["content"] for e in events) == expected
     assert [e["stop"] for e in events][-1] is True and not any(e["stop"] for e in events[:-1])
+    assert len(expected) >= 4
+    word = expected[2:4]  # a stop string: the text ends before it, and llama.cpp's names say so
+    r = httpx.post(f"{server}/infill", json={**body, "stop": [word]}, timeout=120).json()
+    assert (r["content"], r["stop_type"], r["stopping_word"]) == (expected[: expected.find(word)], "word", word)
 
 
 def test_a_typed_middle_and_extra_context_are_taken(server, root):

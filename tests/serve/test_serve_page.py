@@ -67,6 +67,16 @@ def test_the_page_shows_both_runs_curves_and_updates_them_as_training_logs(page,
         f.write(json.dumps(record) + "\n")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('step 5')", timeout=WAIT_MS)
 
+    assert page.locator("#figure-code").is_hidden()  # no code measures yet
+    code = {"kind": "code", "step": 5, "time": 9.5, "cases": 3, "infill_exact": None, "prefix_exact": 0.25}
+    code |= {"spans": 3, "span_infill_exact": None, "span_prefix_exact": 0.0, "functions": 2, "parse_rate": 0.5}
+    with open(runs / "alpha" / "metrics.jsonl", "a") as f:  # an evaluation with eval.code
+        f.write(json.dumps(code) + "\n")
+    page.wait_for_selector("#chart-code .u-legend", timeout=WAIT_MS)
+    legend = page.inner_text("#chart-code .u-legend")
+    assert "alpha prefix only, 1 line" in legend and "alpha bodies that parse" in legend
+    assert "infill" not in legend  # trained without FIM: no infilling curves
+
 
 def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, server, runs):
     checkpoints = runs / "alpha" / "checkpoints"

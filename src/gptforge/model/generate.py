@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptforge.errors import GptforgeError
-from gptforge.model.gpt import GPT, KVCache
+from gptforge.model.gpt import GPT, KVCache, RowCache
 
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a row picks its next token: greedy at temperature 0 (or top_k 1), else drawn after top-k and top-p."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0 or self.top_k == 1
 
 
 def sample_next(
@@ -21,30 +36,44 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token id per row of (B, V) logits; greedy when temperature is 0. Non-finite logits (a diverged model)
-    are an error on every path, greedy included."""
-    if temperature <= 0 or top_k == 1:  # greedy, however asked: the same token, and no random number drawn
-        chosen = logits.argmax(dim=-1)
-        _check_finite(logits.gather(-1, chosen[:, None]))  # argmax picks a NaN or +inf if there is one
+    """One token id per row of (B, V) logits, every row by the same rule; greedy draws no random number."""
+    rule = Sampling(temperature, top_k, top_p)
+    if rule.greedy:
+        return sample_rows(logits, [rule] * len(logits), None)
+    uniforms = torch.rand(len(logits), generator=generator, dtype=torch.float64, device=logits.device)
+    return sample_rows(logits, [rule] * len(logits), uniforms)
+
+
+def sample_rows(logits: torch.Tensor, rules: list[Sampling], uniforms: torch.Tensor | None) -> torch.Tensor:
+    """One token id per row of (B, V) logits, row i by rules[i]; a drawn row inverts its cumulative distribution at
+    uniforms[i] (in [0, 1)), so it gets the same token alone or beside any other rows. Non-finite logits (a
+    diverged model) are an error on every path, greedy included."""
+    chosen = logits.argmax(dim=-1)
+    _check_finite(logits.gather(-1, chosen[:, None]))  # argmax picks a NaN or +inf if there is one
+    drawn = [i for i, rule in enumerate(rules) if not rule.greedy]
+    if not drawn:
         return chosen
     # In float64 and relative to the row's maximum, a tiny temperature sends every other logit to -inf rather
     # than the maximum to inf (inf - inf is NaN): 1e-40 is greedy in effect, as it should be.
-    logits = logits.double()
-    _check_finite(logits.amax(dim=-1))
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+    x = logits[drawn].double()
+    column = functools.partial(torch.tensor, device=logits.device)
+    x = (x - x.amax(dim=-1, keepdim=True)) / column([rules[i].temperature for i in drawn], dtype=x.dtype)[:, None]
+    top_k = column([min(rules[i].top_k or x.size(-1), x.size(-1)) for i in drawn])
+    if bool((top_k < x.size(-1)).any()):
+        kth = torch.topk(x, int(top_k.max())).values.gather(-1, top_k[:, None] - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_p = column([1.0 if rules[i].top_p is None else rules[i].top_p for i in drawn], dtype=x.dtype)
+    if bool((top_p < 1.0).any()):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
-        outside = probs.cumsum(dim=-1) - probs > top_p
-        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    _check_finite(probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        outside = (probs.cumsum(dim=-1) - probs > top_p[:, None]) & (top_p[:, None] < 1.0)
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(outside, float("-inf")))
+    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1)
+    # 1 - u is in (0, 1]: scaled by the total mass, the first index reaching it has a probability above zero.
+    target = (1.0 - uniforms[drawn].to(cdf))[:, None] * cdf[:, -1:]
+    chosen[drawn] = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=x.size(-1) - 1)
+    return chosen
 
 
 def _check_finite(values: torch.Tensor) -> None:
@@ -52,7 +81,7 @@ def _check_finite(values: torch.Tensor) -> None:
         raise GptforgeError("the model's next-token probabilities are not finite (its weights have diverged)")
 
 
-def _forward(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+def forward_logits(model: GPT, idx: torch.Tensor, cache: KVCache | RowCache | None) -> torch.Tensor:
     """Logits; on CUDA with SDPA's cuDNN attention left out: it builds a plan for every new sequence length, and
     generation brings one per token (bf16 sampling ran at 12 tokens/s on an H100 with it, 129 without)."""
     with sdpa_kernel(NOT_CUDNN) if idx.is_cuda else contextlib.nullcontext():
@@ -83,7 +112,7 @@ def stream(
     block = model.config.block_size
     idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     cache = KVCache(model.config, num_samples, device) if use_cache and len(prompt) < block else None
-    logits = _forward(model, idx[:, -block:], cache)
+    logits = forward_logits(model, idx[:, -block:], cache)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
@@ -95,10 +124,10 @@ def stream(
             return
         idx = torch.cat([idx, nxt[:, None]], dim=1)
         if cache is not None and cache.pos < block:
-            logits = _forward(model, nxt[:, None], cache)
+            logits = forward_logits(model, nxt[:, None], cache)
         else:
             cache = None
-            logits = _forward(model, idx[:, -block:], None)
+            logits = forward_logits(model, idx[:, -block:], None)
 
 
 def generate(model: GPT, prompt: list[int], max_new_tokens: int, num_samples: int = 1, **kwargs) -> list[list[int]]:

@@ -109,14 +109,97 @@ class KVCache:
         self.kv: torch.Tensor | None = None  # allocated at the first update, in the dtype autocast produces
         self.pos = 0  # positions filled
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's (B, nh, T, hs) keys/values; return all keys/values up to them."""
+    @property
+    def length(self) -> int:
+        return self.pos
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.pos, self.pos + T, device=device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Store this step's (B, nh, T, hs) keys/values; return all keys/values up to them (and no mask)."""
+        if self.pos and k.size(2) > 1:
+            raise ValueError("a KV cache takes one prompt (from position 0), then one token at a time")
         if self.kv is None:
             self.kv = torch.zeros(self.shape, device=self.device, dtype=k.dtype)
         end = self.pos + k.size(2)
         self.kv[layer, 0, :, :, self.pos : end] = k
         self.kv[layer, 1, :, :, self.pos : end] = v
-        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end]
+        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end], None
+
+    def advance(self, T: int) -> None:
+        self.pos += T
+
+
+class RowCache:
+    """A KV cache whose rows hold separate sequences, each at its own length, for continuous batching: a row is
+    filled from a one-sequence KVCache (its prompt), then every row in use (0 .. rows-1) decodes one token a step."""
+
+    def __init__(self, cfg: GPTConfig, capacity: int, device: torch.device) -> None:
+        self.shape = (cfg.n_layer, 2, capacity, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.device = device
+        self.kv: torch.Tensor | None = None  # in the prompt's dtype; grows (doubling) to the rows in use
+        self.lengths: list[int] = []  # positions filled, per row in use
+        self._step: tuple[torch.Tensor, torch.Tensor | None] | None = None  # this step's lengths and mask
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def add(self, prompt: KVCache) -> int:
+        """Copy a one-sequence cache into the next free row; returns the row."""
+        if self.rows == self.shape[2]:
+            raise ValueError(f"every one of the {self.shape[2]} rows is in use")
+        if self.kv is None or self.kv.size(2) == self.rows:
+            grown = torch.zeros(
+                (*self.shape[:2], min(2 * self.rows or 1, self.shape[2]), *self.shape[3:]),
+                device=self.device,
+                dtype=prompt.kv.dtype,
+            )
+            if self.kv is not None:
+                grown[:, :, : self.rows] = self.kv
+            self.kv = grown
+        row, n = self.rows, prompt.pos
+        self.kv[:, :, row, :, :n] = prompt.kv[:, :, 0, :, :n]
+        self.lengths.append(n)
+        return row
+
+    def remove(self, row: int) -> None:
+        """Free `row`: the last row in use moves into it (so the rows in use stay 0 .. rows-1)."""
+        last = self.rows - 1
+        if row != last:
+            n = self.lengths[last]
+            self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
+            self.lengths[row] = n
+        self.lengths.pop()
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """(rows, 1): each row's next position. Also readies this step's attention mask (None when every row has
+        the same length: then the rows attend exactly as a KVCache's would)."""
+        if T != 1:
+            raise ValueError("a row cache decodes one token per row; fill each row's prompt with a KVCache")
+        lengths = torch.tensor(self.lengths, device=device)
+        mask = None
+        if min(self.lengths) != max(self.lengths):
+            mask = (torch.arange(self.length + 1, device=device) <= lengths[:, None])[:, None, None, :]
+        self._step = lengths, mask
+        return lengths[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store each row's new key/value at its own position; return every row's keys/values and which count."""
+        lengths, mask = self._step
+        rows, end = torch.arange(self.rows, device=k.device), self.length + 1
+        self.kv[layer, 0][rows, :, lengths] = k[:, :, 0]
+        self.kv[layer, 1][rows, :, lengths] = v[:, :, 0]
+        return self.kv[layer, 0, : self.rows, :, :end], self.kv[layer, 1, : self.rows, :, :end], mask
+
+    def advance(self, T: int) -> None:
+        self.lengths = [n + T for n in self.lengths]
+        self._step = None
 
 
 EXPLICIT_ATTENTION_MAX_T = 512
@@ -177,7 +260,9 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=cfg.layer_norm_eps)
             self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope=None, cache: KVCache | RowCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
@@ -188,16 +273,15 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        mask = None
         if cache is not None:
-            if cache.pos and T > 1:
-                raise ValueError("a KV cache takes one prompt (from position 0), then one token at a time")
-            k, v = cache.update(layer, k, v)
+            k, v, mask = cache.update(layer, k, v)  # a RowCache's mask: the positions each row has
         p = self.dropout if self.training else 0.0
         if x.device.type == "cpu" and 1 < T <= EXPLICIT_ATTENTION_MAX_T and cache is None:
             y = explicit_causal_attention(q, k, v, p)
         else:
-            # A single new query attends to every cached position, so only a multi-token query needs the mask.
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1)  # flash where available
+            # A single new query attends to every cached position, so only a multi-token query needs causality.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -231,7 +315,9 @@ class Block(nn.Module):
         self.ln_2 = norm_layer(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope=None, cache: KVCache | RowCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, cache, layer)
         return x + self.mlp(self.ln_2(x))
 
@@ -296,23 +382,26 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | RowCache | None = None,
         all_logits: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits over the real vocabulary, mean cross-entropy in fp32 when targets are given).
 
         Logits are the last position's only, unless `all_logits`; with targets and no `all_logits` they are None
-        (the loss is fused with lm_head). A `cache` continues from its position.
+        (the loss is fused with lm_head). A `cache` continues from its position (a RowCache: each row from its own).
         """
         B, T = idx.shape
-        start = cache.pos if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds model.block_size={self.config.block_size}")
+        end = (cache.length if cache is not None else 0) + T
+        if end > self.config.block_size:
+            raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
+        pos = cache.positions(T, idx.device) if cache is not None else torch.arange(T, device=idx.device)
         x, rope = self.transformer.wte(idx), None
         if self.config.position == "learned":
-            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
-        else:
-            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])
+            x = x + self.transformer.wpe(pos)
+        elif pos.dim() == 1:
+            rope = (self.rope_cos[end - T : end], self.rope_sin[end - T : end])
+        else:  # per-row positions (B, T): (B, 1, T, hs) tables, one per row, broadcast over the heads
+            rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -320,7 +409,7 @@ class GPT(nn.Module):
             else:
                 x = block(x, rope, cache, i)
         if cache is not None:
-            cache.pos += T
+            cache.advance(T)
         x = self.transformer.ln_f(x)
         V = self.config.vocab_size
         if targets is not None and self.config.fused_loss and not all_logits:

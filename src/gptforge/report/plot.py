@@ -1,7 +1,9 @@
 """`gptforge plot`: one PNG of a run's curves, or several runs overlaid for comparison.
 
 Panels: loss (train smoothed, val), val bits per byte, HellaSwag acc_norm_token (per-token mean, when evaluated) with
-the GPT-2 / GPT-3 124M reference lines, learning rate, gradient norm, tokens/s; steps below, tokens above. A run on
+the GPT-2 / GPT-3 124M reference lines, the code measures (when evaluated: infilling exact match of hidden lines and
+spans, with the suffix and from the prefix alone, and the parse rate of sampled bodies), learning rate, gradient
+norm, tokens/s; steps below, tokens above. A run on
 a mix adds each folder's val loss and bits per byte (dotted, one marker per folder) beside the mix's.
 """
 
@@ -19,7 +21,16 @@ from gptforge.rundir import read_metrics, val_sources
 
 SOURCE_MARKERS = "s^vDPX*"
 HELLASWAG = "HellaSwag acc_norm_token"
-PANELS = ("loss", "val bits per byte", HELLASWAG, "learning rate", "grad norm (pre-clip)", "tokens/s")
+CODE = "code: exact match, parse rate"
+PANELS = ("loss", "val bits per byte", HELLASWAG, CODE, "learning rate", "grad norm (pre-clip)", "tokens/s")
+OPTIONAL = {HELLASWAG: "hellaswag", CODE: "code"}  # drawn when a run has records of that kind
+CODE_CURVES = (  # key, label, line style
+    ("infill_exact", "infill, 1 line", "o-"),
+    ("prefix_exact", "prefix only, 1 line", "o--"),
+    ("span_infill_exact", "infill, 3 lines", "s-"),
+    ("span_prefix_exact", "prefix only, 3 lines", "s--"),
+    ("parse_rate", "bodies that parse", "^:"),
+)
 
 
 def smooth(values: list[float], beta: float = 0.9) -> list[float]:
@@ -55,17 +66,18 @@ class Plot:
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Plot:
-    """Write the PNG (default: the first run's loss.png). The HellaSwag panel is drawn when a run has HellaSwag
-    results; a tokens axis (the first run's) tops each panel; the last evaluation's values are written on it."""
+    """Write the PNG (default: the first run's loss.png). The HellaSwag and code panels are drawn when a run has
+    such results; a tokens axis (the first run's) tops each panel; the last evaluation's values are written on it."""
     runs = [(Path(d), _records(Path(d))) for d in run_dirs]
-    panels = [p for p in PANELS if p != HELLASWAG or any(rec["hellaswag"] for _, rec in runs)]
+    panels = [p for p in PANELS if p not in OPTIONAL or any(rec[OPTIONAL[p]] for _, rec in runs)]
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, grid = plt.subplots(2, 3, figsize=(16, 8.5))
+    rows = -(-len(panels) // 3)
+    fig, grid = plt.subplots(rows, 3, figsize=(16, 4.25 * rows))
     for unused in grid.flat[len(panels) :]:
         fig.delaxes(unused)
     ax = dict(zip(panels, grid.flat, strict=False))
@@ -108,8 +120,14 @@ def _draw_run(ax: dict, rec: dict[str, list[dict]], color: str, name: str, plot:
     ]
     if HELLASWAG in ax:
         finals.append((HELLASWAG, _series(hs, "acc_norm_token"), name, "{:.2%}"))
+    if CODE in ax:
+        finals += [(CODE, _series(rec["code"], key), f"{name} {label}", "{:.0%}") for key, label, _ in CODE_CURVES]
+    styles = {f"{name} {label}": style for _, label, style in CODE_CURVES}
     for panel, (steps, values), label, fmt in finals:
-        ax[panel].plot(steps, values, "o--" if panel == "loss" else "o-", color=color, markersize=3, label=label)
+        if panel == CODE and not values:  # a model without FIM has no infilling curves
+            continue
+        style = styles.get(label, "o--" if panel == "loss" else "o-")
+        ax[panel].plot(steps, values, style, color=color, markersize=3, label=label)
         if values:
             text = fmt.format(values[-1])
             ax[panel].annotate(text, (steps[-1], values[-1]), xytext=(4, 4), textcoords="offset points", color=color)

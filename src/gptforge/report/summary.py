@@ -8,13 +8,14 @@ import warnings
 from pathlib import Path
 
 from gptforge.errors import GptforgeError
+from gptforge.eval.code import SPAN_LINES
 from gptforge.files import atomic_write
 from gptforge.rundir import CONFIG, finite, format_duration, read_metrics, val_sources
 
 
 def run_report(run_dir: str | Path) -> str:
-    """Best val loss / perplexity / bpb (and each folder's of a mix), best HellaSwag, tokens, wall time, mean
-    tokens/s and MFU, and the config; also written to RUN_DIR/report.md."""
+    """Best val loss / perplexity / bpb (and each folder's of a mix), best HellaSwag, the last code measures, tokens,
+    wall time, mean tokens/s and MFU, and the config; also written to RUN_DIR/report.md."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm_token")
@@ -47,6 +48,16 @@ def run_report(run_dir: str | Path) -> str:
         best = max(hs, key=lambda r: r["acc_norm_token"])
         where = f"(step {best['step']:,}, {best['n']} examples)"
         lines.append(f"| best HellaSwag acc_norm_token | {best['acc_norm_token']:.4f} {where} |")
+    if records["code"]:
+        last = records["code"][-1]
+        for key, what in (("", "one line"), ("span_", f"{SPAN_LINES} lines")):
+            cases = last.get("spans" if key else "cases", 0)
+            lines.append(
+                f"| code infilling exact match, {what} (step {last['step']:,}, {cases} held-out cases) | "
+                f"{_share(last, key + 'infill_exact')}; prefix only {_share(last, key + 'prefix_exact')} |"
+            )
+        parsed = f"{_share(last, 'parse_rate')} of {last.get('functions', 0)}"
+        lines.append(f"| code: sampled function bodies that parse | {parsed} |")
     config = run_dir / CONFIG
     if config.is_file():
         lines += ["", "## Config", "", "```toml", config.read_text().strip(), "```"]
@@ -61,6 +72,11 @@ def run_report(run_dir: str | Path) -> str:
 def _number(record: dict, key: str) -> str:
     value = record.get(key)
     return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
+
+def _share(record: dict, key: str) -> str:
+    value = record.get(key)
+    return f"{value:.1%}" if isinstance(value, (int, float)) else "n/a"
 
 
 def _percent(value: float) -> str:

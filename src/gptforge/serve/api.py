@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from gptforge.files import to_json
-from gptforge.serve.engine import Done, Engine, Event, Failed, Finish, Job, Started, Text
+from gptforge.serve.engine import Engine
+from gptforge.serve.jobs import Done, Event, Failed, Finish, Job, Started, Text
 from gptforge.serve.protocol import (
     ApiError,
     CompletionRequest,
@@ -215,30 +216,32 @@ async def _sse(events: AsyncIterator[Event], req: CompletionRequest, first: Star
         await events.aclose()
 
 
-STOP_TYPES = {"stop": "eos", "length": "limit"}  # llama.cpp's names for why a completion ended
+STOP_TYPES = {"stop": "eos", "length": "limit"}  # llama.cpp's names for why a completion ended (or "word")
 
 
-def _infill_object(model: str, content: str, reason: str | None, usage: dict | None = None) -> dict:
-    out = {"content": content, "stop": reason is not None, "model": model}
-    if reason is not None:
-        out["stop_type"] = STOP_TYPES.get(reason, reason)
+def _infill_object(model: str, content: str, finish: Finish | None, usage: dict | None = None) -> dict:
+    """llama.cpp's answer object: a piece of text (finish None), or the last, saying why it stopped."""
+    out = {"content": content, "stop": finish is not None, "model": model}
+    if finish is not None:
+        out["stop_type"] = "word" if finish.word else STOP_TYPES.get(finish.reason, finish.reason)
+        out["stopping_word"] = finish.word or ""
     if usage is not None:
         out.update(tokens_predicted=usage["completion_tokens"], tokens_evaluated=usage["prompt_tokens"])
     return out
 
 
 async def _infill_gather(events: AsyncIterator[Event], req: CompletionRequest, first: Started) -> dict:
-    content, reason, model = "", None, first.model
+    content, finish, model = "", None, first.model
     try:
         async for event in events:
             if isinstance(event, Text):
                 content += event.piece
             elif isinstance(event, Finish):
-                reason = event.reason
+                finish = event
             elif isinstance(event, Failed):
                 raise event.error
             elif isinstance(event, Done):
-                return _infill_object(model, content, reason or "length", event.usage)
+                return _infill_object(model, content, finish or Finish(0, "length"), event.usage)
     finally:
         await events.aclose()
     raise AssertionError("the worker ended without 'done' or 'error'")
@@ -246,17 +249,17 @@ async def _infill_gather(events: AsyncIterator[Event], req: CompletionRequest, f
 
 async def _infill_sse(events: AsyncIterator[Event], req: CompletionRequest, first: Started):
     """llama.cpp's stream: a `data: {"content", "stop": false}` event per piece, then one with "stop": true."""
-    reason, model = None, first.model
+    finish, model = None, first.model
     try:
         async for event in events:
             if isinstance(event, Text):
                 yield f"data: {to_json(_infill_object(model, event.piece, None))}\n\n"
             elif isinstance(event, Finish):
-                reason = event.reason
+                finish = event
             elif isinstance(event, Failed):
                 yield f"data: {to_json(event.error.body())}\n\n"
                 return
             elif isinstance(event, Done):
-                yield f"data: {to_json(_infill_object(model, '', reason or 'length', event.usage))}\n\n"
+                yield f"data: {to_json(_infill_object(model, '', finish or Finish(0, 'length'), event.usage))}\n\n"
     finally:
         await events.aclose()

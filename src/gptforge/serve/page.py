@@ -19,7 +19,11 @@ from gptforge.serve.runs import FolderGone, Source, find_sources
 
 STATIC = Path(__file__).parent / "static"
 MAX_POINTS = 2000  # per curve: more than a screen shows; longer runs are averaged in buckets
-CURVES = {"train": ("loss", "lr", "tokens_per_s"), "val": ("loss", "bpb")}
+CURVES = {
+    "train": ("loss", "lr", "tokens_per_s"),
+    "val": ("loss", "bpb"),
+    "code": ("infill_exact", "prefix_exact", "span_infill_exact", "span_prefix_exact", "parse_rate"),
+}
 SHOWN_SAMPLES = 4
 
 
@@ -49,7 +53,7 @@ def routes(root: Path) -> list:
         if version is not None and version == request.query_params.get("version"):
             return JSONResponse({"version": version, "unchanged": True})
         if version is None:
-            return JSONResponse({"version": None, "train": {}, "val": {}})
+            return JSONResponse({"version": None, **{kind: {} for kind in CURVES}})
         if cache.get(run.name, ("",))[0] != version:
             records = read_metrics(run.folder, tuple(CURVES))
             columns = {

@@ -33,7 +33,8 @@ class Limits:
     max_tokens: int = 1024
     max_n: int = 8
     max_body_bytes: int = 1 << 20
-    queue: int = 8  # requests waiting while one generates; more are answered 429
+    parallel: int = 8  # choices generated together (continuous batching); also requests let in beside the queue
+    queue: int = 8  # requests waiting beyond those; more are answered 429
     request_timeout: float = 120.0  # seconds from arrival, waiting included; then the text so far ends as "length"
     read_timeout: float = 30.0  # seconds to send a request's head, and then its body: a stalled one is cut off (408)
 

@@ -15,6 +15,7 @@ class Continuation:
         self.text = ""
         self.sent = 0  # characters of self.text already handed out
         self.finish_reason: str | None = None
+        self.stop_word: str | None = None  # the stop sequence that ended it, if one did
 
     def add(self, token: int) -> str:
         """The text to send after `token`; sets finish_reason 'stop' when a stop sequence appears."""
@@ -22,8 +23,9 @@ class Continuation:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
             return ""
-        cut = min((i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for i, s in ((text.find(s, self.sent), s) for s in self.stop) if i >= 0]
+        if found:
+            cut, self.stop_word = min(found)
             self.text, self.finish_reason = text[:cut], "stop"
             return self._release(cut)
         self.text = text

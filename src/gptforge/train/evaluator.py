@@ -1,7 +1,8 @@
-"""Evaluation during training: validation loss, HellaSwag and a text sample, logged and printed."""
+"""Evaluation during training: validation loss, HellaSwag, code measures and a text sample, logged and printed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 
 from gptforge.config import Config
 from gptforge.data.loader import TokenLoader
+from gptforge.eval.code import CodeScores, evaluate_code, format_code
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.loss import bytes_per_token, evaluate_loss, format_loss, mixture_loss
 from gptforge.files import append_jsonl
@@ -50,13 +52,15 @@ class Evaluator:
         return bool(self.val_loaders) and bool(self.cfg.eval.every) and step % self.cfg.eval.every == 0
 
     def __call__(self, step: int) -> dict[str, float] | None:
-        """The validation result at `step` (None without a validation split); HellaSwag and the sample with it."""
+        """The validation result at `step` (None without a validation split); HellaSwag, the code measures and the
+        sample with it."""
         if not self.val_loaders:
             return None
         t = time.perf_counter()
         s, cfg, env = self.setup, self.cfg, self.env
         if not self.seconds:  # the first one also pays for warm-up: say what the wait is
             extras = f", {len(self.hellaswag):,} HellaSwag examples" if self.hellaswag else ""
+            extras += f", code measures over {cfg.eval.code} cases" if cfg.eval.code else ""
             print0(env, f"step {step:>6} | evaluating: {cfg.eval.tokens:,} validation tokens{extras}...")
         val = self.validate()
         self.metrics.write("val", step, **val)
@@ -64,6 +68,10 @@ class Evaluator:
             hs = evaluate_hellaswag(s.model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
             self.metrics.write("hellaswag", step, **hs)
             print0(self.env, f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
+        if cfg.eval.code and env.is_main and math.isfinite(val["loss"]):  # a diverged model has nothing to write
+            scores = self.code()
+            self.metrics.write("code", step, **dataclasses.asdict(scores))
+            print0(self.env, f"step {step:>6} | {format_code(scores)}")
         if cfg.eval.sample_tokens > 0 and env.is_main and math.isfinite(val["loss"]):  # nothing to read otherwise
             print0(self.env, f"step {step:>6} | sample: {self.sample(step)!r}")
         self.seconds = time.perf_counter() - t
@@ -88,6 +96,19 @@ class Evaluator:
                 source.name: bytes_per_token(loader.manifest, "val") for source, loader in self.val_loaders.items()
             },
         )
+
+    def code(self) -> CodeScores:
+        """The code measures on the first validation folder: the same cases and random stream every time, so the
+        steps compare; the training RNG is untouched."""
+        s, source = self.setup, next(iter(self.val_loaders))
+        was_training = s.model.training
+        s.model.eval()
+        try:
+            return evaluate_code(
+                s.model, self.tokenizer, source.path, self.cfg.eval.code, s.device, s.dtype, seed=self.cfg.train.seed
+            )
+        finally:
+            s.model.train(was_training)
 
     def sample(self, step: int) -> str:
         """A continuation of `eval.prompt`, appended to samples.jsonl. Eval mode and a generator seeded per step

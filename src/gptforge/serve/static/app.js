@@ -34,6 +34,15 @@ const PANELS = {
   bpb: { kinds: [["val", "bpb", "val"]], perSource: "bpb" },
   lr: { kinds: [["train", "lr", "lr"]], format: (v) => (v === 0 ? "0" : v.toExponential(1)) },
   tps: { kinds: [["train", "tokens_per_s", "tok/s"]], format: (v) => Math.round(v).toLocaleString() },
+  code: {
+    kinds: [
+      ["code", "infill_exact", "infill, 1 line"], ["code", "prefix_exact", "prefix only, 1 line"],
+      ["code", "span_infill_exact", "infill, 3 lines"], ["code", "span_prefix_exact", "prefix only, 3 lines"],
+      ["code", "parse_rate", "bodies that parse"],
+    ],
+    format: (v) => (100 * v).toFixed(0) + "%",
+    optional: "code", // drawn when a run has code measures (eval.code)
+  },
 };
 
 // A run on a mix logs each folder's val numbers as "loss/NAME", "bpb/NAME": one dotted curve each.
@@ -49,12 +58,13 @@ function panelData(panel, runs) {
     const m = state.metrics[run.id];
     for (const [kind, key, label] of [...panel.kinds, ...sourceKinds(panel, m)]) {
       const cols = m && m[kind];
-      if (!cols || !cols.step || !cols.step.length) continue;
+      if (!cols || !cols.step || !cols.step.length || !cols[key] || cols[key].every((v) => v == null)) continue;
       tables.push([cols.step, cols[key]]);
-      const val = kind === "val";
+      const val = kind !== "train"; // evaluations: points, thicker
+      const dashed = key.includes("prefix") || (kind === "val" && panel.kinds.length > 1);
       series.push({
         label: `${run.id} ${label}`, stroke: COLORS[i % COLORS.length], width: val ? 2 : 1.25, spanGaps: true,
-        dash: key.includes("/") ? [2, 3] : val && panel.kinds.length > 1 ? [6, 4] : undefined, points: { show: val },
+        dash: key.includes("/") ? [2, 3] : dashed ? [6, 4] : undefined, points: { show: val },
         value: panel.format ? (u, v) => (v == null ? "–" : panel.format(v)) : undefined,
       });
     }
@@ -80,7 +90,14 @@ function drawChart(name, runs) {
 
 function drawCharts() {
   const runs = state.runs.filter((r) => state.metrics[r.id]);
-  for (const name of Object.keys(PANELS)) drawChart(name, runs);
+  for (const [name, panel] of Object.entries(PANELS)) {
+    if (panel.optional) {
+      const has = runs.some((r) => (state.metrics[r.id][panel.optional] || { step: [] }).step.length);
+      $("figure-" + name).hidden = !has;
+      if (!has) continue;
+    }
+    drawChart(name, runs);
+  }
 }
 
 new ResizeObserver(() => {

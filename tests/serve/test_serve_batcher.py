@@ -1,0 +1,140 @@
+"""Continuous batching in-process: a request's output does not depend on what else is in the batch, rows join and
+leave at token boundaries, and a request that leaves frees its row for one that waits."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+from tests.helpers import randomize
+
+from gptforge.checkpoint import load_for_inference
+from gptforge.data.fim import FIMTokenizer, infill_prompt
+from gptforge.model.generate import generate
+from gptforge.serve.batcher import Batcher, Task
+from gptforge.serve.jobs import Done, Finish, Job, Started, Text
+from gptforge.serve.protocol import Limits, parse_completion
+
+
+@pytest.fixture(scope="module")
+def run(runs_dir):
+    """The tiny run with random weights of a wide spread: 4 steps of training leave its next token all but
+    independent of the context, and a batch that mixed up its rows' contexts must show."""
+    loaded = load_for_inference(runs_dir / "alpha" / "checkpoints" / "step_000004", "cpu")
+    torch.manual_seed(0)
+    randomize(loaded.model, matrix_std=0.3)
+    return loaded
+
+
+class Request:
+    """One submitted request and the events it reported."""
+
+    def __init__(self, batcher: Batcher, run, **body) -> None:
+        self.events: list = []
+        req = parse_completion({"model": "alpha", **body}, Limits(max_tokens=1000))
+        self.job = Job(req, self.events.append, time.monotonic() + 600)
+        if req.suffix is None:
+            prompts = [run.tokenizer.encode(p) for p in req.prompts]
+        else:
+            prompts = [infill_prompt(run.tokenizer, p, req.suffix) for p in req.prompts]
+        self.task: Task = batcher.submit(self.job, run, prompts, Started("step_000004", "alpha"))
+
+    def text(self, index: int = 0) -> str:
+        return "".join(e.piece for e in self.events if isinstance(e, Text) and e.index == index)
+
+
+def drain(batcher: Batcher, *requests: Request) -> None:
+    for _ in range(10_000):
+        if all(r.task.ended.is_set() for r in requests):
+            return
+        batcher.step()
+    pytest.fail("the batcher did not finish its requests")
+
+
+GREEDY = {"prompt": "def add_all", "max_tokens": 45, "temperature": 0}  # past the tiny model's 32-token context
+OTHERS = [
+    {"prompt": "class Adder:\n    def", "max_tokens": 20, "temperature": 0.9, "seed": 1, "n": 2},
+    {"prompt": "x", "max_tokens": 30, "temperature": 1.2, "top_k": 5, "seed": 2},
+    {"prompt": ["import os\nimport sys\n", "y = ["], "max_tokens": 12, "temperature": 0.7, "top_p": 0.8, "seed": 3},
+]
+
+
+def test_a_requests_output_does_not_depend_on_the_rest_of_the_batch(run):
+    alone = [Request(b := Batcher(8, threading.Event()), run, **GREEDY)]
+    drain(b, *alone)
+    sampled_alone = [Request(b := Batcher(8, threading.Event()), run, **body) for body in OTHERS[:1]]
+    drain(b, *sampled_alone)
+
+    batcher = Batcher(8, threading.Event())
+    mixed = [Request(batcher, run, **body) for body in OTHERS[1:]]
+    batcher.step()  # these are generating when the two below arrive: they join at a token boundary
+    assert batcher.generating == 3
+    together = [Request(batcher, run, **GREEDY), Request(batcher, run, **OTHERS[0])]
+    batcher.step()
+    assert batcher.generating == 6  # all in one batch, at different lengths
+    drain(batcher, *mixed, *together)
+
+    ids = run.tokenizer.encode(GREEDY["prompt"])
+    expected = run.tokenizer.decode(generate(run.model, ids, 45, temperature=0, eot=run.tokenizer.eot)[0])
+    assert alone[0].text() == together[0].text() == expected and len(expected) > 20
+    assert [sampled_alone[0].text(i) for i in (0, 1)] == [together[1].text(i) for i in (0, 1)]
+    assert together[1].text(0) != together[1].text(1)  # each choice its own random stream
+    assert all(isinstance(r.task.result, Done) for r in (*mixed, *together)) and batcher.generating == 0
+
+
+def test_choices_beyond_the_capacity_wait_and_a_request_that_leaves_frees_its_rows(run):
+    batcher = Batcher(2, threading.Event())
+    first = Request(batcher, run, prompt="def", max_tokens=500, temperature=0.8, seed=0, n=2)
+    second = Request(batcher, run, prompt="import", max_tokens=3, temperature=0)
+    for _ in range(3):
+        batcher.step()
+    assert batcher.generating == 2 and second.events == []  # it waits: both rows are the first request's
+    first.job.cancel.set()  # its client went away
+    batcher.step()
+    assert first.task.ended.is_set() and first.task.result is None
+    drain(batcher, second)
+    assert isinstance(second.task.result, Done) and second.events[0] == Started("step_000004", "alpha")
+    assert second.task.result.usage["completion_tokens"] <= 3 and batcher.generating == 0
+
+
+def test_a_request_past_its_time_ends_as_length_and_one_never_let_in_is_429(run):
+    batcher = Batcher(1, threading.Event())
+    busy = Request(batcher, run, prompt="def", max_tokens=500, temperature=0.8, seed=0)
+    batcher.step()
+    late = Request(batcher, run, prompt="x", max_tokens=5)
+    late.job.deadline = busy.job.deadline = time.monotonic()
+    batcher.step()
+    assert late.task.result.error.status == 429 and late.events == []
+    assert isinstance(busy.task.result, Done) and busy.events[-1] == Finish(0, "length")
+
+
+def test_a_failure_while_generating_fails_those_requests_and_the_next_are_served(run, monkeypatch, capsys):
+    import gptforge.serve.batcher as batcher_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in a forward pass")
+
+    batcher = Batcher(4, threading.Event())
+    with monkeypatch.context() as patched:
+        patched.setattr(batcher_module, "forward_logits", broken)
+        failed = Request(batcher, run, prompt="def", max_tokens=5, n=2)
+        batcher.step()
+    assert failed.task.ended.is_set() and failed.task.result.error.status == 500
+    assert "a bug in a forward pass" in capsys.readouterr().err  # the traceback goes to the server's log
+    served = Request(batcher, run, prompt="def", max_tokens=5, temperature=0)
+    drain(batcher, served)
+    assert isinstance(served.task.result, Done) and served.text()
+
+
+def test_an_infill_ends_where_the_context_does_and_a_completion_goes_on(run):
+    fim = dataclasses.replace(run, tokenizer=FIMTokenizer(run.tokenizer))  # sentinels in GPT-2's padded ids
+    batcher = Batcher(4, threading.Event())
+    infill = Request(batcher, fim, prompt="def f(x):\n", suffix="\n    return y\n", max_tokens=100, temperature=0)
+    plain = Request(batcher, fim, prompt="def f(x):\n", max_tokens=100, temperature=0)
+    drain(batcher, infill, plain)
+    room = run.model.config.block_size - len(infill_prompt(fim.tokenizer, "def f(x):\n", "\n    return y\n")) + 1
+    assert infill.task.result.usage["completion_tokens"] == room and infill.events[-1] == Finish(0, "length")
+    assert plain.task.result.usage["completion_tokens"] == 100  # past the context: its window slides
