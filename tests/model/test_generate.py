@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import generate, sample_next, stream
@@ -113,3 +114,19 @@ def test_a_row_cache_decodes_rows_of_different_lengths_as_separate_forwards(bloc
         got = model(torch.tensor([[17], [18]]), cache=rows)[0][:, -1]
         expected = torch.stack([model(torch.tensor([s + [t]]))[0][0, -1] for s, t in zip(seqs, (17, 18), strict=True)])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_cache_attends_each_row_to_its_own_positions_exactly_as_alone():
+    from gptforge.model.gpt import RowCache
+
+    rows = RowCache(GPTConfig(block_size=512, n_layer=1, n_head=4, n_embd=256), 4, torch.device("cpu"))
+    rows.lengths = [3, 300, 3, 130]  # rows 0 and 2 attend together, 1 and 3 alone
+    rows.positions(1, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 4, n, 64, generator=g).bfloat16() for n in (1, 301, 301))
+    y = rows.attend(q, k, v)
+    for row, n in enumerate(rows.lengths):  # bf16: a mask over padded keys would round differently (~4e-3)
+        alone = F.scaled_dot_product_attention(
+            q[row : row + 1], k[row : row + 1, :, : n + 1], v[row : row + 1, :, : n + 1]
+        )
+        assert torch.equal(y[row : row + 1], alone)

@@ -101,14 +101,25 @@ def test_choices_beyond_the_capacity_wait_and_a_request_that_leaves_frees_its_ro
 
 
 def test_a_request_past_its_time_ends_as_length_and_one_never_let_in_is_429(run):
-    batcher = Batcher(1, threading.Event())
-    busy = Request(batcher, run, prompt="def", max_tokens=500, temperature=0.8, seed=0)
-    batcher.step()
+    batcher = Batcher(2, threading.Event())
+    busy = Request(batcher, run, prompt="def", max_tokens=500, temperature=0.8, seed=0, n=3, echo=True)
+    batcher.step()  # two of its choices generate, the third waits for a row
     late = Request(batcher, run, prompt="x", max_tokens=5)
     late.job.deadline = busy.job.deadline = time.monotonic()
     batcher.step()
     assert late.task.result.error.status == 429 and late.events == []
-    assert isinstance(busy.task.result, Done) and busy.events[-1] == Finish(0, "length")
+    assert isinstance(busy.task.result, Done) and [busy.text(i).startswith("def") for i in range(3)] == [True] * 3
+    assert {e for e in busy.events if isinstance(e, Finish)} == {Finish(i, "length") for i in range(3)}
+    assert busy.text(2) == "def"  # never generated: its echo alone
+
+
+def test_at_shutdown_a_request_not_yet_begun_is_503_even_with_a_row_free(run):
+    stopping = threading.Event()
+    batcher = Batcher(4, stopping)
+    waiting = Request(batcher, run, prompt="def", max_tokens=5)
+    stopping.set()
+    batcher.step()
+    assert waiting.task.result.error.status == 503 and waiting.events == []
 
 
 def test_a_failure_while_generating_fails_those_requests_and_the_next_are_served(run, monkeypatch, capsys):

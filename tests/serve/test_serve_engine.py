@@ -13,7 +13,7 @@ import pytest
 
 from gptforge.cli import main
 from gptforge.serve.engine import Engine
-from gptforge.serve.jobs import Done, Event, Failed, Finish, Job, Started
+from gptforge.serve.jobs import Done, Event, Failed, Job, Started
 from gptforge.serve.protocol import ApiError, Limits, parse_completion
 from gptforge.serve.runs import check_root, find_sources
 from gptforge.serve.text import Continuation
@@ -59,13 +59,14 @@ def completion(engine: Engine, body: dict, deadline: float | None = None) -> lis
     return events
 
 
-def test_the_time_limit_ends_every_choice_as_length_and_the_newest_checkpoint_is_used(runs_dir, tmp_path):
+def test_a_request_out_of_time_before_it_starts_is_429_and_the_newest_checkpoint_is_used(runs_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(runs_dir / "alpha", run, ignore=shutil.ignore_patterns("step_000004"))
     engine = Engine(tmp_path, Limits())
     events = completion(engine, {"max_tokens": 5, "n": 2}, deadline=time.monotonic())
-    assert events == [Started("step_000002", "run"), Finish(0, "length"), Finish(1, "length"), events[-1]]
-    assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 0
+    assert [(type(e), e.error.status, e.error.code) for e in events] == [(Failed, 429, "server_busy")]
+    events = completion(engine, {"max_tokens": 3, "temperature": 0})
+    assert events[0] == Started("step_000002", "run") and isinstance(events[-1], Done)
 
     shutil.copytree(runs_dir / "alpha" / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004")
     events = completion(engine, {"max_tokens": 3, "temperature": 0})

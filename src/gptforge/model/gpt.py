@@ -116,8 +116,8 @@ class KVCache:
     def positions(self, T: int, device: torch.device) -> torch.Tensor:
         return torch.arange(self.pos, self.pos + T, device=device)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """Store this step's (B, nh, T, hs) keys/values; return all keys/values up to them (and no mask)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's (B, nh, T, hs) keys/values; return all keys/values up to them."""
         if self.pos and k.size(2) > 1:
             raise ValueError("a KV cache takes one prompt (from position 0), then one token at a time")
         if self.kv is None:
@@ -125,7 +125,7 @@ class KVCache:
         end = self.pos + k.size(2)
         self.kv[layer, 0, :, :, self.pos : end] = k
         self.kv[layer, 1, :, :, self.pos : end] = v
-        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end], None
+        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end]
 
     def advance(self, T: int) -> None:
         self.pos += T
@@ -133,14 +133,17 @@ class KVCache:
 
 class RowCache:
     """A KV cache whose rows hold separate sequences, each at its own length, for continuous batching: a row is
-    filled from a one-sequence KVCache (its prompt), then every row in use (0 .. rows-1) decodes one token a step."""
+    filled from a one-sequence KVCache (its prompt), then every row in use (0 .. rows-1) decodes one token a step.
+    The rows of one length attend together and to their own positions only, so each row's output is what it would
+    be alone (a mask over padded keys rounds differently: a bf16 greedy token could change with the batch)."""
 
     def __init__(self, cfg: GPTConfig, capacity: int, device: torch.device) -> None:
         self.shape = (cfg.n_layer, 2, capacity, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         self.device = device
         self.kv: torch.Tensor | None = None  # in the prompt's dtype; grows (doubling) to the rows in use
         self.lengths: list[int] = []  # positions filled, per row in use
-        self._step: tuple[torch.Tensor, torch.Tensor | None] | None = None  # this step's lengths and mask
+        self._lengths: torch.Tensor | None = None  # this step's, as a tensor
+        self._groups: list[tuple[int, torch.Tensor | slice]] = []  # this step's (keys, rows) of each length
 
     @property
     def rows(self) -> int:
@@ -178,28 +181,43 @@ class RowCache:
         self.lengths.pop()
 
     def positions(self, T: int, device: torch.device) -> torch.Tensor:
-        """(rows, 1): each row's next position. Also readies this step's attention mask (None when every row has
-        the same length: then the rows attend exactly as a KVCache's would)."""
+        """(rows, 1): each row's next position; also groups this step's rows by length."""
         if T != 1:
             raise ValueError("a row cache decodes one token per row; fill each row's prompt with a KVCache")
-        lengths = torch.tensor(self.lengths, device=device)
-        mask = None
-        if min(self.lengths) != max(self.lengths):
-            mask = (torch.arange(self.length + 1, device=device) <= lengths[:, None])[:, None, None, :]
-        self._step = lengths, mask
-        return lengths[:, None]
+        by_length: dict[int, list[int]] = {}
+        for row, n in enumerate(self.lengths):
+            by_length.setdefault(n, []).append(row)
+        self._groups = [
+            (
+                n + 1,
+                slice(rows[0], rows[-1] + 1)
+                if rows[-1] - rows[0] == len(rows) - 1
+                else torch.tensor(rows, device=device),
+            )
+            for n, rows in by_length.items()
+        ]
+        self._lengths = torch.tensor(self.lengths, device=device)
+        return self._lengths[:, None]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store each row's new key/value at its own position; return every row's keys/values and which count."""
-        lengths, mask = self._step
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store each row's new key/value at its own position; return every row's keys/values (to the longest)."""
         rows, end = torch.arange(self.rows, device=k.device), self.length + 1
-        self.kv[layer, 0][rows, :, lengths] = k[:, :, 0]
-        self.kv[layer, 1][rows, :, lengths] = v[:, :, 0]
-        return self.kv[layer, 0, : self.rows, :, :end], self.kv[layer, 1, : self.rows, :, :end], mask
+        self.kv[layer, 0][rows, :, self._lengths] = k[:, :, 0]
+        self.kv[layer, 1][rows, :, self._lengths] = v[:, :, 0]
+        return self.kv[layer, 0, : self.rows, :, :end], self.kv[layer, 1, : self.rows, :, :end]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of each row's new query to its own positions: one call per length, with no padding."""
+        if len(self._groups) == 1:
+            return F.scaled_dot_product_attention(q, k, v)
+        y = torch.empty_like(q)
+        for n, rows in self._groups:
+            y[rows] = F.scaled_dot_product_attention(q[rows], k[rows, :, :n], v[rows, :, :n])
+        return y
 
     def advance(self, T: int) -> None:
         self.lengths = [n + T for n in self.lengths]
-        self._step = None
+        self._lengths = None
 
 
 EXPLICIT_ATTENTION_MAX_T = 512
@@ -273,15 +291,16 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        mask = None
         if cache is not None:
-            k, v, mask = cache.update(layer, k, v)  # a RowCache's mask: the positions each row has
+            k, v = cache.update(layer, k, v)
         p = self.dropout if self.training else 0.0
-        if x.device.type == "cpu" and 1 < T <= EXPLICIT_ATTENTION_MAX_T and cache is None:
+        if isinstance(cache, RowCache):
+            y = cache.attend(q, k, v)
+        elif x.device.type == "cpu" and 1 < T <= EXPLICIT_ATTENTION_MAX_T and cache is None:
             y = explicit_causal_attention(q, k, v, p)
         else:
             # A single new query attends to every cached position, so only a multi-token query needs causality.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=T > 1)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1)  # flash where available
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

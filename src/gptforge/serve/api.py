@@ -109,9 +109,10 @@ async def _json_body(request: Request, limits: Limits):
             "unsupported_media_type",
         )
     limit = limits.max_body_bytes
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise ApiError(413, f"request body over {limit:,} bytes", None, "request_too_large")
     try:
+        if int(request.headers.get("content-length") or 0) > limit:
+            await asyncio.wait_for(_discard(request, DISCARDED * limit), limits.read_timeout)
+            raise ApiError(413, f"request body over {limit:,} bytes", None, "request_too_large")
         body = await asyncio.wait_for(_read(request, limit), limits.read_timeout)
     except asyncio.TimeoutError:
         raise ApiError(
@@ -132,8 +133,22 @@ async def _read(request: Request, limit: int) -> bytearray:
     async for part in request.stream():
         body += part
         if len(body) > limit:
+            await _discard(request, (DISCARDED - 1) * limit)
             raise ApiError(413, f"request body over {limit:,} bytes", None, "request_too_large")
     return body
+
+
+DISCARDED = 16  # a body over the limit is read and dropped up to this many times the limit before the 413
+
+
+async def _discard(request: Request, cap: int) -> None:
+    """Read what the client is still sending, so that closing the connection after the 413 does not reset it (a
+    socket closed with unread data sends RST, and the client can lose the answer); past `cap`, stop reading."""
+    seen = 0
+    async for part in request.stream():
+        seen += len(part)
+        if seen > cap:
+            return
 
 
 async def _events(engine: Engine, req: CompletionRequest, request: Request) -> AsyncIterator[Event]:

@@ -140,6 +140,9 @@ class Batcher:
         with self._cond:
             for choice in [c for c in self._waiting if c.task.job.cancel.is_set()]:
                 self._cancel(choice.task)
+            late = [c for c in self._waiting if self._out_of_time(c.task.job)]
+            gone = {id(c) for c in late}
+            self._waiting = deque(c for c in self._waiting if id(c) not in gone)
             if not self.generating and self._waiting and self._waiting[0].task.run is not self._run:
                 self._run = self._waiting[0].task.run
                 self._cache = RowCache(self._run.model.config, self.capacity, self._run.device)
@@ -150,32 +153,40 @@ class Batcher:
                 and self._waiting[0].task.run is self._run
             ):
                 taken.append(self._waiting.popleft())
-            late = [c for c in self._waiting if self._out_of_time(c.task.job)]
-            self._waiting = deque(c for c in self._waiting if c not in late)
         for choice in late:
-            if choice.task.ended.is_set():
-                continue
-            if choice.task.began:
-                self._finish(choice, "length")
-            elif self.stopping.is_set():
-                message = "the server is shutting down; retry later"
-                self._fail(choice.task, ApiError(503, message, None, "server_shutting_down"))
-            else:
-                message = "the server stayed busy for this request's whole time limit"
-                self._fail(choice.task, ApiError(429, message, None, "server_busy"))
+            self._late(choice)
         return taken
+
+    def _late(self, choice: Choice) -> None:
+        """A choice still waiting at its request's time limit (or at shutdown): "length" with no text if its
+        request has begun, else the request fails (429, or 503 when shutting down)."""
+        if choice.task.ended.is_set():
+            return
+        if choice.task.began:
+            self._begin(choice)
+            self._finish(choice, "length")
+        elif self.stopping.is_set():
+            message = "the server is shutting down; retry later"
+            self._fail(choice.task, ApiError(503, message, None, "server_shutting_down"))
+        else:
+            message = "the server stayed busy for this request's whole time limit"
+            self._fail(choice.task, ApiError(429, message, None, "server_busy"))
+
+    def _begin(self, choice: Choice) -> None:
+        """Its request's first event (once per request), then the choice's echo of its prompt."""
+        task = choice.task
+        if not task.began:
+            task.began = True
+            task.job.emit(task.started)
+        if task.job.req.echo:
+            task.job.emit(Text(choice.index, task.run.tokenizer.decode(choice.ids)))
 
     def _enter(self, choice: Choice) -> None:
         """Start a choice: its request's first event, its echo, its prompt's prefill and first token; then a row."""
-        task, job = choice.task, choice.task.job
-        if task.ended.is_set():
+        if choice.task.ended.is_set():
             return
-        if not task.began:
-            task.began = True
-            job.emit(task.started)
-        if job.req.echo:
-            job.emit(Text(choice.index, task.run.tokenizer.decode(choice.ids)))
-        if self._out_of_time(job):
+        self._begin(choice)
+        if self._out_of_time(choice.task.job):
             self._finish(choice, "length")
             return
         prefill = self._prefill(choice)
