@@ -47,7 +47,7 @@ def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tupl
     for prompt in prompts:
         # An empty prompt starts a fresh document, as training documents start after EOT.
         ids = infill_prompt(tok, prompt, suffix) if suffix is not None else tok.encode(prompt) or [tok.eot]
-        if suffix is not None and len(ids) >= run.model.config.block_size:  # past it the sentinels would slide out
+        if suffix is not None and len(ids) > run.model.config.block_size:  # past it the sentinels would slide out
             raise GptforgeError(
                 f"--prompt/--suffix: the infill prompt has {len(ids):,} tokens, the model's context "
                 f"{run.model.config.block_size:,}; shorten the prefix or the suffix"

@@ -69,8 +69,8 @@ def test_a_middle_counts_only_when_written_exactly(monkeypatch, fim):
 
     monkeypatch.setattr(code, "stream", fake_stream)
     model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=1, n_embd=8))
-    infill, prefix = span_exact_match(model, tok, cases, torch.device("cpu"), torch.float32)
-    assert prefix == 0.0 and infill == (1.0 if fim else None)
+    infilled, prefixed = span_exact_match(model, tok, cases, torch.device("cpu"), torch.float32)
+    assert (infilled, prefixed) == ((2 if fim else 0), 0)
 
 
 def test_eval_code_reports_both_measures_and_needs_data(data_dir, tmp_path, capsys):
@@ -102,3 +102,35 @@ def test_training_scores_code_at_each_evaluation_and_the_plot_and_report_show_it
     report = run_report(run)
     assert "| code infilling exact match, one line (step 2, 2 held-out cases) |" in report
     assert "| code: sampled function bodies that parse |" in report
+
+
+def test_the_processes_share_the_cases_each_scored_once_and_the_counts_add_up(data_dir, monkeypatch):
+    from gptforge.data.tokenizer import data_tokenizer
+    from gptforge.runtime.distributed import DistEnv
+
+    scored, summed = [], []
+
+    def every_middle_infilled(model, tok, cases, *args):
+        scored.extend(c.middle for c in cases)
+        return len(cases), min(1, len(cases))  # (infilled, prefix only)
+
+    def every_body_parses(model, tok, prompts, *args):
+        scored.extend(signature for _, _, signature in prompts)
+        return len(prompts)
+
+    def reduce(counts, env):  # what each rank contributes (the sum itself is torch.distributed's)
+        summed.append(counts.clone())
+        return counts
+
+    monkeypatch.setattr(code, "span_exact_match", every_middle_infilled)
+    monkeypatch.setattr(code, "parsed_bodies", every_body_parses)
+    monkeypatch.setattr(code, "all_reduce_sum", reduce)
+    tok, model = FIMTokenizer(data_tokenizer(data_dir)), GPT(GPTConfig(block_size=64, n_layer=1, n_head=1, n_embd=8))
+    alone = code.evaluate_code(model, tok, str(data_dir), 5, torch.device("cpu"), torch.float32)
+    everything = list(scored)
+    scored.clear()
+    for rank in (0, 1):
+        code.evaluate_code(model, tok, str(data_dir), 5, torch.device("cpu"), torch.float32, env=DistEnv(rank, rank, 2))
+    assert sorted(scored) == sorted(everything) and len(everything) == 5 + 5 + alone.functions > 10
+    assert (summed[1][[0, 2, 4]] + summed[2][[0, 2, 4]]).tolist() == summed[0][[0, 2, 4]].tolist()
+    assert (alone.infill_exact, alone.prefix_exact, alone.span_infill_exact, alone.parse_rate) == (1.0, 0.2, 1.0, 1.0)

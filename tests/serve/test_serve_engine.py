@@ -177,3 +177,18 @@ def test_a_diverged_checkpoint_is_503_greedy_too_and_a_tiny_temperature_is_greed
         events = completion(engine, {"max_tokens": 4, "temperature": temperature})
         failed = [e for e in events if not isinstance(e, Started)][0]
         assert isinstance(failed, Failed) and failed.error.status == 503 and "diverged" in failed.error.message
+
+
+def test_a_nan_or_infinity_in_a_log_is_a_gap_in_its_curve_not_an_error(tmp_path):
+    from gptforge.serve.app import build_app
+
+    run = tmp_path / "run"
+    run.mkdir()
+    train = {"kind": "train", "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 0.0, "tokens": 8}
+    code = {"kind": "code", "step": 1, "cases": 2, "prefix_exact": float("nan"), "parse_rate": float("inf")}
+    lines = [json.dumps({**train, "step": 1, "loss": float("nan")}), json.dumps(code | {"infill_exact": True})]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")  # Python writes NaN and Infinity, JSON has neither
+    answer = testclient.TestClient(build_app(tmp_path)).get("/api/runs/run/metrics")
+    assert answer.status_code == 200
+    assert answer.json()["train"]["loss"] == [None] and answer.json()["code"]["prefix_exact"] == [None]
+    assert answer.json()["code"]["parse_rate"] == [None] and answer.json()["code"]["infill_exact"] == [None]

@@ -15,6 +15,7 @@ from tests.helpers import cli, losses, weights
 
 from gptforge.checkpoint import latest_checkpoint
 from gptforge.errors import GptforgeError
+from gptforge.rundir import read_metrics
 from gptforge.runtime.distributed import SINGLE, DistEnv, peer_failures
 from gptforge.train.stopping import BLOCKED_SECONDS
 
@@ -43,7 +44,7 @@ def two_processes(data_dir, tmp_path_factory):
     """2 processes under one torchrun agent: (run folder, stdout)."""
     out = tmp_path_factory.mktemp("two") / "run"
     run = subprocess.run(
-        torchrun(["--standalone", "--nproc-per-node", "2"], data_dir, out),
+        torchrun(["--standalone", "--nproc-per-node", "2"], data_dir, out, "eval.code=3"),
         capture_output=True,
         text=True,
         env=ENV,
@@ -57,7 +58,18 @@ def two_processes(data_dir, tmp_path_factory):
 def test_two_gloo_processes_match_one_process_with_double_accumulation(data_dir, tmp_path, two_processes):
     # 1 process x 4 micro-batches of 4 x 32  ==  2 processes x 2 micro-batches each.
     one = subprocess.run(
-        cli("train", *COMMON, "--data", data_dir, "--out", tmp_path / "one", "--set", "train.batch_tokens=512"),
+        cli(
+            "train",
+            *COMMON,
+            "--data",
+            data_dir,
+            "--out",
+            tmp_path / "one",
+            "--set",
+            "train.batch_tokens=512",
+            "--set",
+            "eval.code=3",
+        ),  # fmt: skip
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -74,6 +86,10 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(data_dir,
     val_one, val_two = losses(tmp_path / "one", "val"), losses(two, "val")
     assert val_one.keys() == val_two.keys() == {0, 3, 6}  # evaluation sharded over ranks gives one process's number
     assert all(abs(val_one[s] - val_two[s]) <= 1e-5 for s in val_one), (val_one, val_two)
+    code_one, code_two = (read_metrics(run)["code"] for run in (tmp_path / "one", two))
+    assert [r["step"] for r in code_one] == [r["step"] for r in code_two] == [0, 3, 6]  # every rank scored its share
+    drop_time = [{k: v for k, v in r.items() if k != "time"} for r in (code_one[0], code_two[0])]
+    assert drop_time[0] == drop_time[1]  # at step 0 the weights are the same bits: so are the scores
 
     # ZeRO: the same run with AdamW's state sharded over the two processes.
     zero = subprocess.run(

@@ -20,6 +20,7 @@ from gptforge.data.tokenizer import Tokenizer
 from gptforge.model.generate import stream
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
+from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
 
 LINE_TOKENS = 48  # a hidden line longer than this counts as missed
 BODY_TOKENS = 160
@@ -52,13 +53,20 @@ class CodeScores:
 
 
 def held_out_documents(data_dir: str, tokenizer: Tokenizer, max_documents: int) -> list[str]:
-    """The validation split's first documents, as text (EOT separates documents)."""
+    """The validation split's first documents, as text (EOT comes before each), reading only the shards they are
+    in: shards end at document boundaries."""
     manifest = read_manifest(data_dir)
     vocab = manifest["tokenizer"]["vocab_size"]
-    shards = [Path(data_dir) / s["file"] for s in manifest["shards"] if s["split"] == "val"]
-    tokens = np.concatenate([read_shard(path, vocab) for path in shards]) if shards else np.zeros(0, np.int64)
-    pieces = np.split(tokens, np.flatnonzero(tokens == tokenizer.eot))  # prepare puts EOT before each document
-    return [tokenizer.decode(p[p != tokenizer.eot]) for p in pieces if (p != tokenizer.eot).any()][:max_documents]
+    documents: list[str] = []
+    for shard in (s for s in manifest["shards"] if s["split"] == "val"):
+        tokens = read_shard(Path(data_dir) / shard["file"], vocab)
+        for piece in np.split(tokens, np.flatnonzero(tokens == tokenizer.eot)):
+            piece = piece[piece != tokenizer.eot]
+            if len(piece) and len(documents) < max_documents:
+                documents.append(tokenizer.decode(piece))
+        if len(documents) >= max_documents:
+            break
+    return documents
 
 
 def hidden_spans(documents: list[str], n: int, seed: int, lines: int = 1) -> list[HiddenSpan]:
@@ -82,9 +90,11 @@ def hidden_spans(documents: list[str], n: int, seed: int, lines: int = 1) -> lis
 
 def _lines(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dtype, newline: bool, count: int):
     """The first `count` lines of the greedy continuation of `ids`, trailing spaces dropped; with `newline`, the
-    lines it writes after starting a new one (None: it did not start one)."""
+    lines it writes after starting a new one (None: it did not start one). It stops where the context does: an
+    infill's window must keep its sentinels."""
     new: list[int] = []
-    steps = stream(model, ids, count * _line_tokens(model), 1, temperature=0.0, eot=tok.eot)
+    budget = min(_middle_tokens(model, count), model.config.block_size - len(ids) + 1)
+    steps = stream(model, ids, budget, 1, temperature=0.0, eot=tok.eot)
     while True:
         with autocast(device, dtype):
             nxt = next(steps, None)
@@ -104,34 +114,34 @@ def _trimmed(text: str, count: int) -> str:
     return "\n".join(line.rstrip() for line in text.split("\n")[:count])
 
 
-def _line_tokens(model: GPT) -> int:
-    """Tokens a generated line may take: LINE_TOKENS, or a quarter of a small model's context."""
-    return min(LINE_TOKENS, model.config.block_size // 4)
+def _middle_tokens(model: GPT, count: int) -> int:
+    """Tokens a hidden middle of `count` lines may take: LINE_TOKENS a line, at most half a small model's context
+    (a longer middle counts as missed)."""
+    return max(1, min(count * LINE_TOKENS, model.config.block_size // 2))
 
 
 def _fit(tok: Tokenizer, prefix: str, suffix: str, room: int) -> tuple[list[int], list[int]]:
     """The prefix's last and the suffix's first tokens, within `room` tokens together (the prefix gets 3/4)."""
     p, s = tok.encode(prefix), tok.encode(suffix)
+    room = max(0, room)
     keep_s = min(len(s), room // 4)
     keep_p = min(len(p), room - keep_s)
     return p[len(p) - keep_p :], s[:keep_s]
 
 
 @torch.no_grad()
-def span_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenSpan], device, dtype) -> tuple[float | None, float]:
-    """(with prefix and suffix, with the prefix alone): the share of hidden middles written exactly (trailing
-    spaces aside). The first is None for a model trained without FIM. Each prompt is cut as the model saw text in
+def span_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenSpan], device, dtype) -> tuple[int, int]:
+    """(with prefix and suffix, with the prefix alone): how many hidden middles the model wrote exactly (trailing
+    spaces aside); the first is 0 for a model trained without FIM. Each prompt is cut as the model saw text in
     training: left to right, the prefix stops before its newline (a byte-level BPE joins it to the indentation
     after it), so the model must start the line; an infill's prefix, suffix and middle are encoded apart, so the
     prefix ends with its newline and the middle is the lines alone."""
-    if not cases:
-        return None, None
     fim = isinstance(tok, FIMTokenizer)
     ends = end_ids(tok)
     infilled = prefixed = 0
     for case in cases:
         count = case.middle.count("\n") + 1
-        room = model.config.block_size - count * _line_tokens(model) - 3
+        room = model.config.block_size - _middle_tokens(model, count) - 3
         target = _trimmed(case.middle, count)
         p, _ = _fit(tok, case.prefix, "", room)
         prefixed += _lines(model, tok, p or [tok.eot], ends, device, dtype, newline=True, count=count) == target
@@ -139,7 +149,7 @@ def span_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenSpan], device
             p, s = _fit(tok, case.prefix + "\n", case.suffix, room)
             ids = [tok.sentinels.prefix, *p, tok.sentinels.suffix, *s, tok.sentinels.middle]
             infilled += _lines(model, tok, ids, ends, device, dtype, newline=False, count=count) == target
-    return (infilled / len(cases) if fim else None), prefixed / len(cases)
+    return infilled, prefixed
 
 
 def function_prompts(documents: list[str], n: int) -> list[tuple[str, str]]:
@@ -162,13 +172,14 @@ def body_of(text: str) -> str:
 
 
 @torch.no_grad()
-def parse_rate(model: GPT, tok: Tokenizer, prompts: list[tuple[str, str]], device, dtype, seed: int = 0) -> float:
-    """The share of sampled bodies (temperature 0.8) that complete their `def` line into Python that parses."""
-    g = torch.Generator(device=device).manual_seed(seed)
+def parsed_bodies(model: GPT, tok: Tokenizer, prompts: list[tuple[int, str, str]], device, dtype, seed: int = 0) -> int:
+    """How many sampled bodies (temperature 0.8) complete their `def` line into Python that parses; each prompt
+    (index, context, def line) draws from a generator seeded by `seed` and its index, whoever scores it."""
     body_tokens = min(BODY_TOKENS, model.config.block_size // 2)
     room = model.config.block_size - body_tokens
     parsed = 0
-    for context, signature in prompts:
+    for index, context, signature in prompts:
+        g = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
         head = tok.encode(signature)
         ids = (tok.encode(context)[-max(0, room - len(head)) :] if room > len(head) else []) + head
         with autocast(device, dtype):
@@ -179,21 +190,51 @@ def parse_rate(model: GPT, tok: Tokenizer, prompts: list[tuple[str, str]], devic
             parsed += 1
         except (SyntaxError, ValueError):
             pass
-    return parsed / max(1, len(prompts))
+    return parsed
 
 
 def evaluate_code(
-    model: GPT, tok: Tokenizer, data_dir: str, n: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+    model: GPT,
+    tok: Tokenizer,
+    data_dir: str,
+    n: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    env: DistEnv = SINGLE,
 ) -> CodeScores:
     """Every measure on the first held-out documents of `data_dir`: `n` hidden lines, `n` hidden spans of
-    SPAN_LINES lines and up to `n` functions."""
+    SPAN_LINES lines and up to `n` functions; each rank scores cases rank, rank + world, ..., counts all-reduced
+    (the same scores for any number of processes)."""
     documents = held_out_documents(data_dir, tok, max_documents=4 * n)
     lines, spans = hidden_spans(documents, n, seed), hidden_spans(documents, n, seed, lines=SPAN_LINES)
-    infill, prefix = span_exact_match(model, tok, lines, device, dtype)
-    span_infill, span_prefix = span_exact_match(model, tok, spans, device, dtype)
-    functions = function_prompts(documents, n)
-    rate = parse_rate(model, tok, functions, device, dtype, seed) if functions else None
-    return CodeScores(len(lines), infill, prefix, len(spans), span_infill, span_prefix, len(functions), rate)
+    functions = [(i, *f) for i, f in enumerate(function_prompts(documents, n))]
+    mine = slice(env.rank, None, env.world_size)
+    counts = torch.tensor(
+        [
+            *span_exact_match(model, tok, lines[mine], device, dtype),
+            *span_exact_match(model, tok, spans[mine], device, dtype),
+            parsed_bodies(model, tok, functions[mine], device, dtype, seed),
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    infilled, prefixed, span_infilled, span_prefixed, parsed = all_reduce_sum(counts, env).tolist()
+    fim = isinstance(tok, FIMTokenizer)
+
+    def share(count: float, total: int, available: bool = True) -> float | None:
+        return count / total if total and available else None
+
+    return CodeScores(
+        cases=len(lines),
+        infill_exact=share(infilled, len(lines), fim),
+        prefix_exact=share(prefixed, len(lines)),
+        spans=len(spans),
+        span_infill_exact=share(span_infilled, len(spans), fim),
+        span_prefix_exact=share(span_prefixed, len(spans)),
+        functions=len(functions),
+        parse_rate=share(parsed, len(functions)),
+    )
 
 
 def format_code(scores: CodeScores) -> str:

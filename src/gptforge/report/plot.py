@@ -96,7 +96,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Plot
         if to_tokens is not None:
             a.secondary_xaxis("top", functions=to_tokens).set_xlabel(f"tokens ({runs[0][0].name})", fontsize=7)
         a.grid(alpha=0.3)
-        a.legend(fontsize=7)
+        if a.get_legend_handles_labels()[0]:  # a code panel whose records are all null has no curve
+            a.legend(fontsize=7)
     ax["loss"].set_ylabel("cross-entropy (nats/token)")
     fig.suptitle(" vs ".join(d.name for d, _ in runs))
     fig.tight_layout()

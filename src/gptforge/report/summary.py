@@ -56,7 +56,7 @@ def run_report(run_dir: str | Path) -> str:
                 f"| code infilling exact match, {what} (step {last['step']:,}, {cases} held-out cases) | "
                 f"{_share(last, key + 'infill_exact')}; prefix only {_share(last, key + 'prefix_exact')} |"
             )
-        parsed = f"{_share(last, 'parse_rate')} of {last.get('functions', 0)}"
+        parsed = f"{_share(last, 'parse_rate')} of {last['functions']}" if "functions" in last else "n/a"
         lines.append(f"| code: sampled function bodies that parse | {parsed} |")
     config = run_dir / CONFIG
     if config.is_file():
@@ -76,7 +76,8 @@ def _number(record: dict, key: str) -> str:
 
 def _share(record: dict, key: str) -> str:
     value = record.get(key)
-    return f"{value:.1%}" if isinstance(value, (int, float)) else "n/a"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    return f"{value:.1%}" if ok else "n/a"
 
 
 def _percent(value: float) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,11 @@ def _columns(records: list[dict], keys: tuple[str, ...]) -> dict[str, list]:
         bucket = records[start : start + size]
         out["step"].append(bucket[-1]["step"])
         for k in keys:
-            values = [r[k] for r in bucket if isinstance(r.get(k), (int, float))]
+            values = [r[k] for r in bucket if _number(r.get(k))]
             out[k].append(sum(values) / len(values) if values else None)
     return out
+
+
+def _number(value: Any) -> bool:
+    """A value a curve can draw: JSON has no NaN or infinity (a diverged step logs null, a hand edit may not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -60,7 +60,7 @@ class Evaluator:
         s, cfg, env = self.setup, self.cfg, self.env
         if not self.seconds:  # the first one also pays for warm-up: say what the wait is
             extras = f", {len(self.hellaswag):,} HellaSwag examples" if self.hellaswag else ""
-            extras += f", code measures over {cfg.eval.code} cases" if cfg.eval.code else ""
+            extras += f", code measures (eval.code={cfg.eval.code})" if cfg.eval.code else ""
             print0(env, f"step {step:>6} | evaluating: {cfg.eval.tokens:,} validation tokens{extras}...")
         val = self.validate()
         self.metrics.write("val", step, **val)
@@ -68,7 +68,7 @@ class Evaluator:
             hs = evaluate_hellaswag(s.model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
             self.metrics.write("hellaswag", step, **hs)
             print0(self.env, f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
-        if cfg.eval.code and env.is_main and math.isfinite(val["loss"]):  # a diverged model has nothing to write
+        if cfg.eval.code and math.isfinite(val["loss"]):  # a diverged model has nothing to write
             scores = self.code()
             self.metrics.write("code", step, **dataclasses.asdict(scores))
             print0(self.env, f"step {step:>6} | {format_code(scores)}")
@@ -98,14 +98,21 @@ class Evaluator:
         )
 
     def code(self) -> CodeScores:
-        """The code measures on the first validation folder: the same cases and random stream every time, so the
-        steps compare; the training RNG is untouched."""
+        """The code measures on the first validation folder, the cases shared among the processes: the same cases
+        and random streams every time, so the steps compare; the training RNG is untouched."""
         s, source = self.setup, next(iter(self.val_loaders))
         was_training = s.model.training
         s.model.eval()
         try:
             return evaluate_code(
-                s.model, self.tokenizer, source.path, self.cfg.eval.code, s.device, s.dtype, seed=self.cfg.train.seed
+                s.model,
+                self.tokenizer,
+                source.path,
+                self.cfg.eval.code,
+                s.device,
+                s.dtype,
+                seed=self.cfg.train.seed,
+                env=self.env,
             )
         finally:
             s.model.train(was_training)

@@ -35,10 +35,11 @@ const PANELS = {
   lr: { kinds: [["train", "lr", "lr"]], format: (v) => (v === 0 ? "0" : v.toExponential(1)) },
   tps: { kinds: [["train", "tokens_per_s", "tok/s"]], format: (v) => Math.round(v).toLocaleString() },
   code: {
-    kinds: [
-      ["code", "infill_exact", "infill, 1 line"], ["code", "prefix_exact", "prefix only, 1 line"],
-      ["code", "span_infill_exact", "infill, 3 lines"], ["code", "span_prefix_exact", "prefix only, 3 lines"],
-      ["code", "parse_rate", "bodies that parse"],
+    kinds: [ // [kind, key, label, dash]
+      ["code", "infill_exact", "infill, 1 line", null], ["code", "prefix_exact", "prefix only, 1 line", [6, 4]],
+      ["code", "span_infill_exact", "infill, 3 lines", [2, 3]],
+      ["code", "span_prefix_exact", "prefix only, 3 lines", [6, 3, 2, 3]],
+      ["code", "parse_rate", "bodies that parse", [1, 6]],
     ],
     format: (v) => (100 * v).toFixed(0) + "%",
     optional: "code", // drawn when a run has code measures (eval.code)
@@ -56,15 +57,16 @@ function panelData(panel, runs) {
   const tables = [], series = [{ label: "step" }];
   runs.forEach((run, i) => {
     const m = state.metrics[run.id];
-    for (const [kind, key, label] of [...panel.kinds, ...sourceKinds(panel, m)]) {
+    for (const [kind, key, label, dash] of [...panel.kinds, ...sourceKinds(panel, m)]) {
       const cols = m && m[kind];
       if (!cols || !cols.step || !cols.step.length || !cols[key] || cols[key].every((v) => v == null)) continue;
       tables.push([cols.step, cols[key]]);
       const val = kind !== "train"; // evaluations: points, thicker
-      const dashed = key.includes("prefix") || (kind === "val" && panel.kinds.length > 1);
+      const dashed = kind === "val" && panel.kinds.length > 1;
       series.push({
         label: `${run.id} ${label}`, stroke: COLORS[i % COLORS.length], width: val ? 2 : 1.25, spanGaps: true,
-        dash: key.includes("/") ? [2, 3] : dashed ? [6, 4] : undefined, points: { show: val },
+        dash: dash !== undefined ? dash || undefined : key.includes("/") ? [2, 3] : dashed ? [6, 4] : undefined,
+        points: { show: val },
         value: panel.format ? (u, v) => (v == null ? "–" : panel.format(v)) : undefined,
       });
     }
@@ -92,7 +94,8 @@ function drawCharts() {
   const runs = state.runs.filter((r) => state.metrics[r.id]);
   for (const [name, panel] of Object.entries(PANELS)) {
     if (panel.optional) {
-      const has = runs.some((r) => (state.metrics[r.id][panel.optional] || { step: [] }).step.length);
+      const has = runs.some((r) => Object.entries(state.metrics[r.id][panel.optional] || {})
+        .some(([key, values]) => key !== "step" && values.some((v) => v != null)));
       $("figure-" + name).hidden = !has;
       if (!has) continue;
     }
