@@ -1,0 +1,117 @@
+"""What each configuration value may be, and which combinations of values cannot work; every failure is one
+line naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from gptforge.config.sections import SCHEDULES, Config
+from gptforge.data.mixture import parse_mix
+from gptforge.errors import GptforgeError
+from gptforge.runtime import DTYPE_NAMES
+
+
+def _at_least(low: float) -> tuple[Any, str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _within(low: float, high: float, high_ok: bool = False) -> tuple[Any, str]:
+    return (lambda v: low <= v <= high if high_ok else low <= v < high), f"in [{low}, {high}{']' if high_ok else ')'}"
+
+
+def _one_of(*names: str) -> tuple[Any, str]:
+    return (lambda v: v in names), f"one of {', '.join(names)}"
+
+
+_POSITIVE = ((lambda v: v > 0), "> 0")
+# What each checked key allows; every failure is one line naming the key, the value and this.
+# Sizes are bounded far past today's largest models (16k wide, 256k tokens), short of tensors too large to exist:
+# a hand-edited size is one line here, not an allocation failure later.
+RULES: dict[str, tuple[Any, str]] = {
+    "model.block_size": _within(1, 2**20, high_ok=True),
+    "model.vocab_size": _within(1, 2**24, high_ok=True),
+    "model.n_layer": _within(1, 2**14, high_ok=True),
+    "model.n_head": _at_least(1),
+    "model.n_embd": _within(1, 2**16, high_ok=True),
+    "model.vocab_multiple": _at_least(1),
+    "model.dropout": _within(0, 1),
+    "model.layer_norm_eps": _POSITIVE,
+    "model.norm": _one_of("layernorm", "rmsnorm"),
+    "model.position": _one_of("learned", "rotary"),
+    "model.rope_theta": _at_least(1),  # below 1 every dimension turns faster than a radian a token (tiny: NaN)
+    "model.mlp": _one_of("gelu", "swiglu", "relu2"),
+    "model.mlp_hidden": _within(0, 2**20, high_ok=True),
+    "optim.lr": _POSITIVE,
+    "optim.min_lr_ratio": _within(0, 1, high_ok=True),
+    "optim.warmup_steps": _at_least(0),
+    "optim.weight_decay": _at_least(0),
+    "optim.beta1": _within(0, 1),
+    "optim.beta2": _within(0, 1),
+    "optim.eps": _POSITIVE,
+    "optim.grad_clip": _at_least(0),
+    "optim.schedule": _one_of(*SCHEDULES),
+    "optim.decay_fraction": _within(0, 1, high_ok=True),
+    "optim.optimizer": _one_of("adamw", "muon"),
+    "optim.muon_lr": _POSITIVE,
+    "optim.muon_momentum": _within(0, 1),
+    "data.fim_rate": _within(0, 1, high_ok=True),
+    "data.fim_spm_rate": _within(0, 1, high_ok=True),
+    "train.micro_batch": _at_least(1),
+    "train.batch_tokens": _at_least(1),
+    "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),
+    "train.max_steps": _at_least(1),
+    "train.time_budget": _at_least(0),
+    "train.device": ((lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)), "auto, cpu, cuda, cuda:N or mps"),
+    "train.dtype": _one_of("auto", *DTYPE_NAMES),
+    "train.batch_ramp_tokens": _at_least(0),
+    "train.max_skips": _at_least(1),
+    "train.dist_timeout": _POSITIVE,
+    "train.peak_flops": _at_least(0),
+    "train.threads": _at_least(0),
+    "eval.every": _at_least(0),
+    "eval.tokens": _at_least(1),
+    "eval.hellaswag_limit": _at_least(0),
+    "eval.code": _at_least(0),
+    "eval.sample_tokens": _at_least(0),
+    "checkpoint.every": _at_least(0),
+    "checkpoint.keep_last": _at_least(0),
+    "checkpoint.milestone_every": _at_least(0),
+    "log.every": _at_least(1),
+}
+
+
+def validate(cfg: Config, where: str = "") -> Config:
+    """Check every value against RULES, then the combinations of keys; the first failure is one line."""
+    where = f"{where}: " if where else ""
+    for dotted, (ok, allowed) in RULES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            raise GptforgeError(f"{where}{dotted}={value!r} (expected {allowed})")
+    problem = _combination_problem(cfg)
+    if problem:
+        raise GptforgeError(f"{where}{problem}")
+    return cfg
+
+
+def _combination_problem(cfg: Config) -> str | None:
+    """What is wrong with a combination of keys that each pass RULES, or None."""
+    m = cfg.model
+    if m.n_embd % m.n_head:
+        return f"model.n_head={m.n_head} must divide model.n_embd={m.n_embd} (each head gets n_embd / n_head dims)"
+    if m.position == "rotary" and (m.n_embd // m.n_head) % 2:
+        return (
+            f"model.position=rotary needs an even head size, but model.n_embd={m.n_embd} / model.n_head={m.n_head} "
+            f"= {m.n_embd // m.n_head} (rotary turns each head's dimensions in pairs)"
+        )
+    if cfg.data.mix and cfg.data.path:
+        return "data.mix and data.path (--data) are exclusive: a mix lists its folders, data.path is one folder"
+    try:
+        parse_mix(cfg.data.mix)
+    except GptforgeError as e:
+        return str(e)
+    if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
+        return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
+    return None
