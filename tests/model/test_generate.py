@@ -130,3 +130,26 @@ def test_a_row_cache_attends_each_row_to_its_own_positions_exactly_as_alone():
             q[row : row + 1], k[row : row + 1, :, : n + 1], v[row : row + 1, :, : n + 1]
         )
         assert torch.equal(y[row : row + 1], alone)
+
+
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+def test_batched_generation_writes_what_each_prompt_writes_alone(block):
+    from gptforge.model.generate import Generation, Sampling, generate_batch
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=48, vocab_size=100, n_layer=2, n_head=2, n_embd=16, **block)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)  # a context-dependent next token, so that mixed-up rows would show
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18] * 20]
+    rules = [Sampling(0.0), Sampling(0.9), Sampling(0.0), Sampling(1.2, top_k=5), Sampling(0.8, top_p=0.7), Sampling()]
+    pairs = enumerate(zip(prompts, rules, strict=True))
+    items = [Generation(p, 9 + i, rule, torch.Generator().manual_seed(i)) for i, (p, rule) in pairs]
+    generate_batch(model, items, ends={7}, done=lambda item: len(item.new) >= 12, rows=3)  # rows join as others end
+    for i, item in enumerate(items):
+        g = torch.Generator().manual_seed(i)
+        r = rules[i]
+        alone = generate(model, prompts[i], min(9 + i, 12), temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                         eot=7, generator=g)[0]  # fmt: skip
+        assert item.new == alone, i
+    assert any(len(item.new) < item.max_new_tokens for item in items)  # some ended at token 7

@@ -17,7 +17,7 @@ import torch
 from gptforge.data.fim import FIMTokenizer, end_ids
 from gptforge.data.shards import read_manifest, read_shard
 from gptforge.data.tokenizer import Tokenizer
-from gptforge.model.generate import stream
+from gptforge.model.generate import Generation, Sampling, generate_batch
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
@@ -88,26 +88,39 @@ def hidden_spans(documents: list[str], n: int, seed: int, lines: int = 1) -> lis
     return out
 
 
-def _lines(model: GPT, tok: Tokenizer, ids: list[int], ends: set[int], device, dtype, newline: bool, count: int):
-    """The first `count` lines of the greedy continuation of `ids`, trailing spaces dropped; with `newline`, the
-    lines it writes after starting a new one (None: it did not start one). It stops where the context does: an
-    infill's window must keep its sentinels."""
-    new: list[int] = []
+@dataclass
+class Middle:
+    """One greedy continuation to read lines from: with `newline`, the lines written after starting a new one."""
+
+    item: Generation
+    newline: bool
+    count: int
+
+    def done(self, tok: Tokenizer) -> bool:
+        text = tok.decode(self.item.new)
+        return (self.newline and not text.startswith("\n")) or text[int(self.newline) :].count("\n") >= self.count
+
+    def lines(self, tok: Tokenizer) -> str | None:
+        """Its first `count` lines, trailing spaces dropped (None: with `newline`, it did not start a line)."""
+        text = tok.decode(self.item.new)
+        if self.newline and not text.startswith("\n"):
+            return None
+        return _trimmed(text[int(self.newline) :], self.count)
+
+
+def _middle(model: GPT, ids: list[int], newline: bool, count: int) -> Middle:
+    """A greedy continuation of `ids` that stops where the context does: an infill's window keeps its sentinels."""
+    ids = ids[-model.config.block_size :]
     budget = min(_middle_tokens(model, count), model.config.block_size - len(ids) + 1)
-    steps = stream(model, ids, budget, 1, temperature=0.0, eot=tok.eot)
-    while True:
-        with autocast(device, dtype):
-            nxt = next(steps, None)
-        if nxt is None or int(nxt) in ends:
-            break
-        new.append(int(nxt))
-        text = tok.decode(new)
-        if (newline and not text.startswith("\n")) or text[int(newline) :].count("\n") >= count:
-            break
-    text = tok.decode(new)
-    if newline and not text.startswith("\n"):
-        return None
-    return _trimmed(text[int(newline) :], count)
+    return Middle(Generation(ids, budget), newline, count)
+
+
+def _written(model: GPT, tok: Tokenizer, middles: list[Middle], device, dtype) -> list[str | None]:
+    """The lines of every middle, generated together."""
+    by_item = {id(m.item): m for m in middles}
+    with autocast(device, dtype):
+        generate_batch(model, [m.item for m in middles], end_ids(tok), done=lambda item: by_item[id(item)].done(tok))
+    return [m.lines(tok) for m in middles]
 
 
 def _trimmed(text: str, count: int) -> str:
@@ -129,7 +142,6 @@ def _fit(tok: Tokenizer, prefix: str, suffix: str, room: int) -> tuple[list[int]
     return p[len(p) - keep_p :], s[:keep_s]
 
 
-@torch.no_grad()
 def span_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenSpan], device, dtype) -> tuple[int, int]:
     """(with prefix and suffix, with the prefix alone): how many hidden middles the model wrote exactly (trailing
     spaces aside); the first is 0 for a model trained without FIM. Each prompt is cut as the model saw text in
@@ -137,19 +149,25 @@ def span_exact_match(model: GPT, tok: Tokenizer, cases: list[HiddenSpan], device
     after it), so the model must start the line; an infill's prefix, suffix and middle are encoded apart, so the
     prefix ends with its newline and the middle is the lines alone."""
     fim = isinstance(tok, FIMTokenizer)
-    ends = end_ids(tok)
-    infilled = prefixed = 0
+    prefixed, infilled, targets = [], [], []
     for case in cases:
         count = case.middle.count("\n") + 1
         room = model.config.block_size - _middle_tokens(model, count) - 3
-        target = _trimmed(case.middle, count)
+        targets.append(_trimmed(case.middle, count))
         p, _ = _fit(tok, case.prefix, "", room)
-        prefixed += _lines(model, tok, p or [tok.eot], ends, device, dtype, newline=True, count=count) == target
+        prefixed.append(_middle(model, p or [tok.eot], newline=True, count=count))
         if fim:
             p, s = _fit(tok, case.prefix + "\n", case.suffix, room)
             ids = [tok.sentinels.prefix, *p, tok.sentinels.suffix, *s, tok.sentinels.middle]
-            infilled += _lines(model, tok, ids, ends, device, dtype, newline=False, count=count) == target
-    return infilled, prefixed
+            infilled.append(_middle(model, ids, newline=False, count=count))
+    written = _written(model, tok, prefixed + infilled, device, dtype)
+    prefix_only, with_suffix = written[: len(prefixed)], written[len(prefixed) :]
+    return _hits(with_suffix, targets), _hits(prefix_only, targets)
+
+
+def _hits(written: list[str | None], targets: list[str]) -> int:
+    """How many were written exactly (none were, when nothing was asked: a model without FIM)."""
+    return sum(line == target for line, target in zip(written, targets, strict=False))
 
 
 def function_prompts(documents: list[str], n: int) -> list[tuple[str, str]]:
@@ -171,22 +189,25 @@ def body_of(text: str) -> str:
     return "\n".join(lines[:end])
 
 
-@torch.no_grad()
 def parsed_bodies(model: GPT, tok: Tokenizer, prompts: list[tuple[int, str, str]], device, dtype, seed: int = 0) -> int:
-    """How many sampled bodies (temperature 0.8) complete their `def` line into Python that parses; each prompt
-    (index, context, def line) draws from a generator seeded by `seed` and its index, whoever scores it."""
-    body_tokens = min(BODY_TOKENS, model.config.block_size // 2)
-    room = model.config.block_size - body_tokens
-    parsed = 0
+    """How many sampled bodies (temperature 0.8, top-k 50) complete their `def` line into Python that parses;
+    each prompt (index, context, def line) draws from a generator seeded by `seed` and its index, whoever scores
+    it. All are generated together."""
+    block = model.config.block_size
+    body_tokens = min(BODY_TOKENS, block // 2)
+    room = block - body_tokens
+    items = []
     for index, context, signature in prompts:
-        g = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
         head = tok.encode(signature)
-        ids = (tok.encode(context)[-max(0, room - len(head)) :] if room > len(head) else []) + head
-        with autocast(device, dtype):
-            new = [int(t) for t in stream(model, ids, body_tokens, 1, temperature=0.8, eot=tok.eot, generator=g)]
-        new = new[: new.index(tok.eot)] if tok.eot in new else new
+        ids = ((tok.encode(context)[-max(0, room - len(head)) :] if room > len(head) else []) + head)[-block:]
+        g = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
+        items.append(Generation(ids, min(body_tokens, block - len(ids) + 1), Sampling(0.8, top_k=50), g))
+    with autocast(device, dtype):
+        generate_batch(model, items, {tok.eot})
+    parsed = 0
+    for item, (_, _, signature) in zip(items, prompts, strict=True):
         try:
-            ast.parse(textwrap.dedent(signature + body_of(tok.decode(new))))
+            ast.parse(textwrap.dedent(signature + body_of(tok.decode(item.new))))
             parsed += 1
         except (SyntaxError, ValueError):
             pass

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -138,3 +139,68 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, num_samples: in
     tokens = torch.stack(steps, dim=1).tolist()
     eot = kwargs.get("eot")
     return [row[: row.index(eot)] if eot in row else row for row in tokens]
+
+
+@dataclass(eq=False)
+class Generation:
+    """One prompt for `generate_batch`: how its next tokens are picked, how many it may write, what it has written."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    rule: Sampling = Sampling(temperature=0.0)
+    generator: torch.Generator | None = None
+    new: list[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: GPT,
+    items: list[Generation],
+    ends: set[int],
+    done: Callable[[Generation], bool] = lambda item: False,
+    rows: int = 16,
+) -> list[Generation]:
+    """Continue every item, up to `rows` at a time in one forward pass (continuous batching: an item that ends
+    frees its row for the next): each writes the tokens it would alone through `stream`, greedy or drawing from its
+    own generator. An item ends at a token in `ends` (not kept), at `done(item)` or at its max_new_tokens; each
+    must fit the context (prompt + max_new_tokens - 1 tokens), as nothing slides here."""
+    device, block = next(model.parameters()).device, model.config.block_size
+    for item in (i for i in items if i.max_new_tokens > 0):
+        if not item.prompt or len(item.prompt) + item.max_new_tokens - 1 > block:
+            raise ValueError(f"a prompt of {len(item.prompt)} tokens and {item.max_new_tokens} new ones: past {block}")
+    waiting, active = deque(i for i in items if i.max_new_tokens > 0), []
+    cache = RowCache(model.config, rows, device)
+    while waiting or active:
+        while waiting and len(active) < rows:
+            item, prompt = waiting.popleft(), KVCache(model.config, 1, device)
+            logits = forward_logits(model, torch.tensor([item.prompt], device=device), prompt)[:, -1]
+            if _extend([item], logits, ends, done):  # it goes on: a row
+                cache.add(prompt)
+                active.append(item)
+        if active:
+            idx = torch.tensor([[item.new[-1]] for item in active], device=device)
+            going = _extend(active, forward_logits(model, idx, cache)[:, -1], ends, done)
+            for row in reversed(range(len(active))):  # the last row moves into a freed one: from the end
+                if active[row] not in going:
+                    cache.remove(row)
+                    last = active.pop()
+                    if row < len(active):
+                        active[row] = last
+    return items
+
+
+def _extend(items: list[Generation], logits: torch.Tensor, ends: set[int], done: Callable) -> list[Generation]:
+    """Each item's next token from its row of logits; the items that go on."""
+    uniforms = None
+    if not all(item.rule.greedy for item in items):  # a greedy row draws nothing, as it would alone
+        unused = torch.zeros(1, dtype=torch.float64, device=logits.device)
+        draw = functools.partial(torch.rand, 1, dtype=torch.float64, device=logits.device)
+        uniforms = torch.cat([unused if i.rule.greedy else draw(generator=i.generator) for i in items])
+    going = []
+    for item, token in zip(items, sample_rows(logits, [i.rule for i in items], uniforms).tolist(), strict=True):
+        if token in ends:
+            continue
+        item.new.append(token)
+        if len(item.new) < item.max_new_tokens and not done(item):
+            going.append(item)
+    return going
