@@ -99,6 +99,18 @@ def test_kv_cache_generation_equals_the_full_forward_on_the_gpu():
     assert cached == generate(model, prompt, 40, temperature=0, use_cache=False)
 
 
+def test_batched_generation_writes_what_each_prompt_writes_alone_on_the_gpu():
+    """Continuous batching (serve, eval --code) on CUDA: rows of different lengths in one forward pass. Greedy and
+    fp32: the tokens, not the bits (cuBLAS may pick another kernel for another batch size)."""
+    from gptforge.model.generate import Generation, generate_batch
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=128)).cuda().eval()
+    prompts = [list(range(n, 3 * n + 1)) for n in (1, 5, 9, 2, 30)]
+    items = generate_batch(model, [Generation(p, 40) for p in prompts], ends=set(), rows=3)
+    assert [item.new for item in items] == [generate(model, p, 40, temperature=0)[0] for p in prompts]
+
+
 def test_bf16_generation_stays_off_cudnn_attention():
     """cuDNN attention builds a plan per new sequence length, which generation brings every token."""
     model = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=128)).cuda().eval()
