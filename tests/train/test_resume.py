@@ -101,3 +101,22 @@ def test_two_processes_with_zero_resume_exactly_with_dropout_samples_and_hellasw
     assert [a[s] for s in range(k + 1, 41)] == [b[s] for s in range(k + 1, 41)]
     wa, wb = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+def test_resuming_a_complete_run_trains_nothing_and_changes_nothing(data_dir, tmp_path, capsys):
+    from gptforge.config import load_config
+    from gptforge.train.trainer import train
+
+    cfg = load_config("tiny", [f"data.path={data_dir}", "train.max_steps=2", "eval.every=0"])
+    train(cfg, tmp_path / "run")
+
+    def contents():  # but the lock, which every command on the folder takes
+        found = (p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != ".lock")
+        return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in found}
+
+    files = contents()
+    capsys.readouterr()
+    result = train(cfg, tmp_path / "run", resume="auto")  # a scheduler retrying a job that had finished
+    assert "complete at step 2 of 2; nothing to train" in capsys.readouterr().out
+    assert result.steps == 2 and result.checkpoint == latest_checkpoint(tmp_path / "run")
+    assert contents() == files  # no second evaluation logged, no checkpoint written again

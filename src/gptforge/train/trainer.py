@@ -93,6 +93,9 @@ def _train(
     state = TrainState(max_steps=cfg.train.max_steps)
     checkpointer = Checkpointer(run_dir, cfg, data, s, env)
     changes = checkpointer.restore(resume_from, state, loader) if resume_from else []
+    if resume_from and state.step >= state.max_steps:  # a retried job, say: its log and checkpoints stay as they are
+        print0(f"{run_dir}: complete at step {state.step} of {state.max_steps}; nothing to train (raise max_steps)")
+        return TrainResult(run_dir, resume_from, state.step, state.tokens, 0.0, None, None, cfg)
     restarting = (run_dir / METRICS).is_file()
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
     if restarting:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
