@@ -44,7 +44,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.config import describe, load_config
-    from gptforge.runtime.distributed import launcher_overrides
+    from gptforge.runtime.distributed import elastic_resume, launcher_overrides
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.setup import check_init_overrides
     from gptforge.train.trainer import train
@@ -53,14 +53,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(describe())
         return
     overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
-    if note:
-        print(note, flush=True)
-    if args.resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
-        cfg = resume_config(Path(args.out), args.resume, overrides)
+    resume, restarted = elastic_resume(args.resume, os.environ)
+    for line in (note, restarted):
+        if line:
+            print(line, flush=True)
+    if resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data
+        cfg = resume_config(Path(args.out), resume, overrides)
     else:
         cfg = load_config(args.config or "demo-cpu", overrides)
     check_init_overrides(cfg, overrides)
-    train(cfg, args.out, resume=args.resume)
+    train(cfg, args.out, resume=resume)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

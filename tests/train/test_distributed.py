@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +228,44 @@ def test_a_collective_that_timed_out_or_lost_its_peer_fails_in_one_line_and_othe
     )
     assert type(collective("CUDA out of memory", rank1)) is RuntimeError
     assert type(collective(gloo, SINGLE)) is RuntimeError
+
+
+def children(pid):
+    """The processes whose parent is `pid` (torchrun's agent: its workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
+def test_torchrun_restarts_a_job_whose_worker_died_and_it_goes_on_from_its_checkpoint(data_dir, tmp_path):
+    settings = ("train.max_steps=80", "checkpoint.every=8", "eval.every=0")
+    launcher = ["--standalone", "--nproc-per-node", "2"]
+    calm = subprocess.run(
+        torchrun(launcher, data_dir, tmp_path / "calm", *settings), capture_output=True, text=True, env=ENV,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert calm.returncode == 0, calm.stderr[-3000:]
+    agent = subprocess.Popen(
+        torchrun([*launcher, "--max-restarts", "1"], data_dir, tmp_path / "run", *settings),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (tmp_path / "run" / "checkpoints" / "step_000008").is_dir():
+            assert time.monotonic() < deadline and agent.poll() is None
+            time.sleep(0.02)
+        os.kill(max(children(agent.pid)), signal.SIGKILL)  # a worker dies mid-run, as on a lost machine
+        out, err = agent.communicate(timeout=TIMEOUT)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, err[-3000:]
+    assert "torchrun restarted the job (restart 1): continuing from the newest checkpoint" in out
+    run, undisturbed = losses(tmp_path / "run"), losses(tmp_path / "calm")
+    assert run.keys() == undisturbed.keys() == set(range(1, 81))
+    assert all(abs(run[s] - undisturbed[s]) <= 1e-5 for s in run), [(s, run[s], undisturbed[s]) for s in run]

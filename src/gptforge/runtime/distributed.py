@@ -114,6 +114,16 @@ def launcher_overrides(overrides: list[str], environ: Mapping[str, str]) -> tupl
     return [f"train.dtype={ACCELERATE_DTYPES[precision]}", *overrides], note if launch_env(environ).is_main else ""
 
 
+def elastic_resume(resume: str | None, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """`--resume` as given, or "auto" when torchrun restarted the job (`--max-restarts`: a worker had died), so that
+    it continues from its newest checkpoint on its own; and a line saying so (on rank 0; "" otherwise)."""
+    attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if resume is not None or attempt == 0:
+        return resume, ""
+    note = f"torchrun restarted the job (restart {attempt}): continuing from the newest checkpoint (--resume auto)"
+    return "auto", note if launch_env(environ).is_main else ""
+
+
 # How gloo (and nccl in blocking mode) word a peer that did not answer in time, and one that went away.
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _LOST = re.compile(r"connection (reset|closed)|closed by peer|broken pipe", re.IGNORECASE)

@@ -93,9 +93,8 @@ def _train(
     state = TrainState(max_steps=cfg.train.max_steps)
     checkpointer = Checkpointer(run_dir, cfg, data, s, env)
     changes = checkpointer.restore(resume_from, state, loader) if resume_from else []
-    if resume_from and state.step >= state.max_steps:  # a retried job, say: its log and checkpoints stay as they are
-        print0(f"{run_dir}: complete at step {state.step} of {state.max_steps}; nothing to train (raise max_steps)")
-        return TrainResult(run_dir, resume_from, state.step, state.tokens, 0.0, None, None, cfg)
+    if resume_from and state.step >= state.max_steps:
+        return _complete(run_dir, resume_from, state, cfg, env)
     restarting = (run_dir / METRICS).is_file()
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
     if restarting:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
@@ -150,6 +149,13 @@ def _train(
     seconds = time.perf_counter() - t_start
     print0(f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(seconds)}; saved {final}")
     return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
+
+
+def _complete(run_dir: Path, ckpt: Path, state: TrainState, cfg: Config, env: distributed.DistEnv) -> TrainResult:
+    """A resumed run that has nothing left to train (a retried job, say): its log and checkpoints stay as they are."""
+    message = f"{run_dir}: complete at step {state.step} of {state.max_steps}; nothing to train (raise max_steps)"
+    distributed.print0(env, message)
+    return TrainResult(run_dir, ckpt, state.step, state.tokens, 0.0, None, None, cfg)
 
 
 @dataclass
