@@ -43,6 +43,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from gptforge.checkpoint import latest_checkpoint
     from gptforge.config import describe, load_config
     from gptforge.runtime.distributed import elastic_resume, launcher_overrides
     from gptforge.train.checkpointer import resume_config
@@ -53,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(describe())
         return
     overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
-    resume, restarted = elastic_resume(args.resume, os.environ)
+    resume, restarted = elastic_resume(args.resume, os.environ, saved=latest_checkpoint(args.out) is not None)
     for line in (note, restarted):
         if line:
             print(line, flush=True)

@@ -269,3 +269,14 @@ def test_torchrun_restarts_a_job_whose_worker_died_and_it_goes_on_from_its_check
     run, undisturbed = losses(tmp_path / "run"), losses(tmp_path / "calm")
     assert run.keys() == undisturbed.keys() == set(range(1, 81))
     assert all(abs(run[s] - undisturbed[s]) <= 1e-5 for s in run), [(s, run[s], undisturbed[s]) for s in run]
+
+
+def test_a_restart_resumes_from_the_runs_newest_checkpoint_or_else_from_the_one_given():
+    from gptforge.runtime.distributed import elastic_resume
+
+    restarted = {"TORCHELASTIC_RESTART_COUNT": "1"}
+    assert elastic_resume(None, {}, saved=False) == (None, "") and elastic_resume("c", {}, saved=True) == ("c", "")
+    assert elastic_resume(None, restarted, saved=False)[0] == "auto"  # died before its first checkpoint: starts
+    assert elastic_resume("other/step_000100", restarted, saved=False) == ("other/step_000100", "")
+    resume, line = elastic_resume("other/step_000100", restarted, saved=True)  # it went on past the one given
+    assert resume == "auto" and line.startswith("torchrun restarted the job (restart 1)")

@@ -114,11 +114,12 @@ def launcher_overrides(overrides: list[str], environ: Mapping[str, str]) -> tupl
     return [f"train.dtype={ACCELERATE_DTYPES[precision]}", *overrides], note if launch_env(environ).is_main else ""
 
 
-def elastic_resume(resume: str | None, environ: Mapping[str, str]) -> tuple[str | None, str]:
+def elastic_resume(resume: str | None, environ: Mapping[str, str], saved: bool) -> tuple[str | None, str]:
     """`--resume` as given, or "auto" when torchrun restarted the job (`--max-restarts`: a worker had died), so that
-    it continues from its newest checkpoint on its own; and a line saying so (on rank 0; "" otherwise)."""
+    it continues from its newest checkpoint on its own (a checkpoint given to --resume only while the run has
+    `saved` none of its own); and a line saying so (on rank 0; "" otherwise)."""
     attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if resume is not None or attempt == 0:
+    if attempt == 0 or resume not in (None, "auto") and not saved:
         return resume, ""
     note = f"torchrun restarted the job (restart {attempt}): continuing from the newest checkpoint (--resume auto)"
     return "auto", note if launch_env(environ).is_main else ""
