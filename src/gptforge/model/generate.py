@@ -12,7 +12,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptforge.errors import GptforgeError
-from gptforge.model.gpt import GPT, KVCache, RowCache
+from gptforge.model.gpt import GPT
+from gptforge.model.kv_cache import KVCache, RowCache
 
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from gptforge.model.fused_loss import linear_cross_entropy
+from gptforge.model.kv_cache import KVCache, RowCache
 
 
 @dataclass
@@ -98,126 +99,6 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
-
-
-class KVCache:
-    """Keys and values of the positions seen so far, per layer, for incremental decoding."""
-
-    def __init__(self, cfg: GPTConfig, batch: int, device: torch.device) -> None:
-        self.shape = (cfg.n_layer, 2, batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        self.device = device
-        self.kv: torch.Tensor | None = None  # allocated at the first update, in the dtype autocast produces
-        self.pos = 0  # positions filled
-
-    @property
-    def length(self) -> int:
-        return self.pos
-
-    def positions(self, T: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(self.pos, self.pos + T, device=device)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's (B, nh, T, hs) keys/values; return all keys/values up to them."""
-        if self.pos and k.size(2) > 1:
-            raise ValueError("a KV cache takes one prompt (from position 0), then one token at a time")
-        if self.kv is None:
-            self.kv = torch.zeros(self.shape, device=self.device, dtype=k.dtype)
-        end = self.pos + k.size(2)
-        self.kv[layer, 0, :, :, self.pos : end] = k
-        self.kv[layer, 1, :, :, self.pos : end] = v
-        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end]
-
-    def advance(self, T: int) -> None:
-        self.pos += T
-
-
-class RowCache:
-    """A KV cache whose rows hold separate sequences, each at its own length, for continuous batching: a row is
-    filled from a one-sequence KVCache (its prompt), then every row in use (0 .. rows-1) decodes one token a step.
-    The rows of one length attend together and to their own positions only, so each row's output is what it would
-    be alone (a mask over padded keys rounds differently: a bf16 greedy token could change with the batch)."""
-
-    def __init__(self, cfg: GPTConfig, capacity: int, device: torch.device) -> None:
-        self.shape = (cfg.n_layer, 2, capacity, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        self.device = device
-        self.kv: torch.Tensor | None = None  # in the prompt's dtype; grows (doubling) to the rows in use
-        self.lengths: list[int] = []  # positions filled, per row in use
-        self._lengths: torch.Tensor | None = None  # this step's, as a tensor
-        self._groups: list[tuple[int, torch.Tensor | slice]] = []  # this step's (keys, rows) of each length
-
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def length(self) -> int:
-        return max(self.lengths, default=0)
-
-    def add(self, prompt: KVCache) -> int:
-        """Copy a one-sequence cache into the next free row; returns the row."""
-        if self.rows == self.shape[2]:
-            raise ValueError(f"every one of the {self.shape[2]} rows is in use")
-        if self.kv is None or self.kv.size(2) == self.rows:
-            grown = torch.zeros(
-                (*self.shape[:2], min(2 * self.rows or 1, self.shape[2]), *self.shape[3:]),
-                device=self.device,
-                dtype=prompt.kv.dtype,
-            )
-            if self.kv is not None:
-                grown[:, :, : self.rows] = self.kv
-            self.kv = grown
-        row, n = self.rows, prompt.pos
-        self.kv[:, :, row, :, :n] = prompt.kv[:, :, 0, :, :n]
-        self.lengths.append(n)
-        return row
-
-    def remove(self, row: int) -> None:
-        """Free `row`: the last row in use moves into it (so the rows in use stay 0 .. rows-1)."""
-        last = self.rows - 1
-        if row != last:
-            n = self.lengths[last]
-            self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
-            self.lengths[row] = n
-        self.lengths.pop()
-
-    def positions(self, T: int, device: torch.device) -> torch.Tensor:
-        """(rows, 1): each row's next position; also groups this step's rows by length."""
-        if T != 1:
-            raise ValueError("a row cache decodes one token per row; fill each row's prompt with a KVCache")
-        by_length: dict[int, list[int]] = {}
-        for row, n in enumerate(self.lengths):
-            by_length.setdefault(n, []).append(row)
-        self._groups = [
-            (
-                n + 1,
-                slice(rows[0], rows[-1] + 1)
-                if rows[-1] - rows[0] == len(rows) - 1
-                else torch.tensor(rows, device=device),
-            )
-            for n, rows in by_length.items()
-        ]
-        self._lengths = torch.tensor(self.lengths, device=device)
-        return self._lengths[:, None]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store each row's new key/value at its own position; return every row's keys/values (to the longest)."""
-        rows, end = torch.arange(self.rows, device=k.device), self.length + 1
-        self.kv[layer, 0][rows, :, self._lengths] = k[:, :, 0]
-        self.kv[layer, 1][rows, :, self._lengths] = v[:, :, 0]
-        return self.kv[layer, 0, : self.rows, :, :end], self.kv[layer, 1, : self.rows, :, :end]
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of each row's new query to its own positions: one call per length, with no padding."""
-        if len(self._groups) == 1:
-            return F.scaled_dot_product_attention(q, k, v)
-        y = torch.empty_like(q)
-        for n, rows in self._groups:
-            y[rows] = F.scaled_dot_product_attention(q[rows], k[rows, :, :n], v[rows, :, :n])
-        return y
-
-    def advance(self, T: int) -> None:
-        self.lengths = [n + T for n in self.lengths]
-        self._lengths = None
 
 
 EXPLICIT_ATTENTION_MAX_T = 512

@@ -17,7 +17,7 @@ from gptforge.checkpoint import Inference
 from gptforge.data.fim import end_ids
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import Sampling, forward_logits, sample_rows
-from gptforge.model.gpt import KVCache, RowCache
+from gptforge.model.kv_cache import KVCache, RowCache
 from gptforge.runtime.device import autocast
 from gptforge.serve.jobs import Done, Event, Failed, Job, Started, Text
 from gptforge.serve.protocol import ApiError
