@@ -252,7 +252,8 @@ def test_torchrun_restarts_a_job_whose_worker_died_and_it_goes_on_from_its_check
     )  # fmt: skip
     assert calm.returncode == 0, calm.stderr[-3000:]
     agent = subprocess.Popen(
-        torchrun([*launcher, "--max-restarts", "1"], data_dir, tmp_path / "run", *settings),
+        # More than one restart allowed: on a loaded machine a restarted group's first connect can fail too.
+        torchrun([*launcher, "--max-restarts", "3"], data_dir, tmp_path / "run", *settings),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
     try:
@@ -265,7 +266,7 @@ def test_torchrun_restarts_a_job_whose_worker_died_and_it_goes_on_from_its_check
     finally:
         agent.kill()
     assert agent.returncode == 0, err[-3000:]
-    assert "torchrun restarted the job (restart 1): continuing from the newest checkpoint" in out
+    assert "torchrun restarted the job (restart 1): continuing from the newest checkpoint" in out, err[-3000:]
     run, undisturbed = losses(tmp_path / "run"), losses(tmp_path / "calm")
     assert run.keys() == undisturbed.keys() == set(range(1, 81))
     assert all(abs(run[s] - undisturbed[s]) <= 1e-5 for s in run), [(s, run[s], undisturbed[s]) for s in run]
