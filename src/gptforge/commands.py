@@ -45,7 +45,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.checkpoint import latest_checkpoint
     from gptforge.config import describe, load_config
-    from gptforge.runtime.distributed import elastic_resume, launcher_overrides
+    from gptforge.runtime.distributed import elastic_resume, elastic_warning, launcher_overrides
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.setup import check_init_overrides
     from gptforge.train.trainer import train
@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     overrides, note = launcher_overrides([*args.set, *([f"data.path={args.data}"] if args.data else [])], os.environ)
     resume, restarted = elastic_resume(args.resume, os.environ, saved=latest_checkpoint(args.out) is not None)
-    for line in (note, restarted):
+    for line in (note, restarted, elastic_warning(os.environ)):
         if line:
             print(line, flush=True)
     if resume and args.config is None:  # continue with the run's own settings, changed only by --set/--data

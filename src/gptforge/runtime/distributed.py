@@ -75,10 +75,23 @@ def init(device_name: str, timeout: float) -> tuple[DistEnv, str]:
         device_name = f"cuda:{env.local_rank}"
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), rank=env.rank, world_size=world)
+        wait = datetime.timedelta(seconds=timeout)
+        store = restart_store(os.environ, world, wait)
+        dist.init_process_group(backend, timeout=wait, rank=env.rank, world_size=world, store=store)
     if dist.get_world_size() != world:
         raise GptforgeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} processes")
     return env, device_name
+
+
+def restart_store(environ: Mapping[str, str], world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's store with this restart's own keys (None: let torch make it). torchrun keeps one store for all its
+    restarts, so a restarted group read the dead workers' addresses and failed to connect (pytorch#167288)."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"gptforge/restart{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def check_single_process(environ: Mapping[str, str]) -> None:
@@ -123,6 +136,18 @@ def elastic_resume(resume: str | None, environ: Mapping[str, str], saved: bool) 
         return resume, ""
     note = f"torchrun restarted the job (restart {attempt}): continuing from the newest checkpoint (--resume auto)"
     return "auto", note if launch_env(environ).is_main else ""
+
+
+def elastic_warning(environ: Mapping[str, str]) -> str:
+    """A line (rank 0) for `torchrun --max-restarts` over several nodes with torchrun's shared store: their agents
+    count restarts apart, so a restarted group cannot be told from the one before (pytorch#167288)."""
+    several = int(environ.get("GROUP_WORLD_SIZE") or 1) > 1 and int(environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+    if not several or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not launch_env(environ).is_main:
+        return ""
+    return (
+        "torchrun --max-restarts over several nodes: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where torchrun runs, "
+        "or a restarted job may fail to connect (torch keeps one store for all restarts)"
+    )
 
 
 # How gloo (and nccl in blocking mode) word a peer that did not answer in time, and one that went away.
