@@ -28,9 +28,10 @@ from gptforge.data.fim import with_fim
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, usual_mode, write_json, writing
-from gptforge.model.gpt import GPT
+from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
+from gptforge.runtime.fsdp import is_sharded, load_whole_state, whole_state
 
 META = "meta.json"
 
@@ -50,11 +51,15 @@ def save_checkpoint(
     tmp = temp_dir_path(final)
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
+    optimizer_state = optimizer.state_dict() if optimizer is not None and env.is_main else None
+    if is_sharded(model):  # FSDP: the whole weights and optimizer state, gathered on rank 0
+        weights, optimizer_state = whole_state(model, optimizer, rank0_only=True)
+        model = _on_cpu(model.config, weights) if env.is_main else model
     try:
         with writing(final):
             if env.is_main:
                 meta = {"step": step, **(extra or {})}
-                _write_files(temp_dir_for(final), model, optimizer, cfg, tokenizer, meta)
+                _write_files(temp_dir_for(final), model, optimizer_state, cfg, tokenizer, meta)
             barrier(env)
             torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
     except GptforgeError:
@@ -77,18 +82,56 @@ def write_checkpoint(
 ) -> Path:
     """Write a complete single-process checkpoint (e.g. an import) into `final`, atomically."""
     with building_dir(final) as tmp:
-        _write_files(tmp, model, optimizer, cfg, tokenizer, meta)
+        _write_files(tmp, model, optimizer.state_dict() if optimizer else None, cfg, tokenizer, meta)
     return final
 
 
+def _on_cpu(config: GPTConfig, weights: dict[str, torch.Tensor]) -> GPT:
+    """A model on the CPU holding `weights` (gathered from FSDP's shards), for writing."""
+    model = GPT(config)
+    model.load_state_dict(weights)
+    return model
+
+
+def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each optimized parameter's name, in the optimizer's order (the indices of its own state_dict)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _by_index(state: dict) -> bool:
+    return all(isinstance(p, int) for group in state.get("param_groups", []) for p in group["params"])
+
+
+def state_by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter names (FSDP's form), from either form: runs change parallelism."""
+    if not _by_index(state):
+        return state
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def state_by_index(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by position (torch.optim's own form), from either form (Muon's passes as is)."""
+    if "param_groups" not in state or _by_index(state):
+        return state
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
+
+
 def _write_files(
-    tmp: Path, model: GPT, optimizer: torch.optim.Optimizer | None, cfg: Config, tokenizer: Tokenizer, meta: dict
+    tmp: Path, model: GPT, optimizer_state: dict | None, cfg: Config, tokenizer: Tokenizer, meta: dict
 ) -> None:
     """The files of a checkpoint, into a fresh folder that `swap_dir` then puts in place."""
     save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
     usual_mode(tmp / "model.safetensors")
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
     if tokenizer.path is not None:
         shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
     write_json(tmp / META, {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name})
@@ -300,10 +343,20 @@ def restore_training_state(
     ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, device: torch.device, env: DistEnv = SINGLE
 ) -> dict[str, Any]:
     """Load weights, optimizer and this rank's RNG state into a fresh model/optimizer; returns the meta."""
-    _load_weights(model, ckpt, device)
+    sharded = is_sharded(model)
+    if sharded:  # every process reads the whole file and keeps its shard
+        whole = GPT(model.config)
+        _load_weights(whole, ckpt, "cpu")
+    else:
+        _load_weights(model, ckpt, device)
     try:
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device, weights_only=True))
-    except (RuntimeError, ValueError, OSError) as e:
+        state = torch.load(ckpt / "optimizer.pt", map_location="cpu" if sharded else device, weights_only=True)
+        names = optimizer_names(model, optimizer)
+        if sharded:
+            load_whole_state(model, optimizer, whole.state_dict(), state_by_name(state, names))
+        else:
+            optimizer.load_state_dict(state_by_index(state, names))
+    except (RuntimeError, ValueError, OSError, KeyError) as e:
         raise GptforgeError(f"{ckpt / 'optimizer.pt'}: cannot restore ({first_detail(e)})") from None
     rng = ckpt / f"rng_rank{env.rank}.pt"
     if rng.is_file():

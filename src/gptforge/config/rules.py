@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from gptforge.config.sections import SCHEDULES, Config
+from gptforge.config.sections import PARALLEL, SCHEDULES, Config
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.runtime import DTYPE_NAMES
@@ -54,6 +54,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.schedule": _one_of(*SCHEDULES),
     "optim.decay_fraction": _within(0, 1, high_ok=True),
     "optim.optimizer": _one_of("adamw", "muon"),
+    "train.parallel": _one_of(*PARALLEL),
     "optim.muon_lr": _POSITIVE,
     "optim.muon_momentum": _within(0, 1),
     "data.fim_rate": _within(0, 1, high_ok=True),
@@ -114,4 +115,11 @@ def _combination_problem(cfg: Config) -> str | None:
         return str(e)
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
+    if cfg.train.parallel == "fsdp" and cfg.train.zero:
+        return "train.zero=true with train.parallel=fsdp: FSDP already shards the optimizer's state; drop train.zero"
+    if cfg.train.parallel == "fsdp" and cfg.optim.optimizer == "muon":
+        return (
+            "optim.optimizer=muon with train.parallel=fsdp: Muon orthogonalises whole matrices and FSDP shards them "
+            "(not supported yet); use optim.optimizer=adamw, or train.parallel=ddp"
+        )
     return None

@@ -26,6 +26,7 @@ class DataConfig:
 
 
 SCHEDULES = ("cosine", "wsd", "constant")  # optim.lr_at computes each
+PARALLEL = ("ddp", "fsdp")  # how train.parallel spreads a model over the processes
 
 
 @dataclass
@@ -80,6 +81,12 @@ class TrainConfig:
     """torch.compile the model for training (evaluation and sampling keep working)."""
     zero: bool = False
     """Shard AdamW's state across processes (ZeroRedundancyOptimizer) for models whose optimizer does not fit."""
+    parallel: str = "ddp"
+    """ddp (a whole model per process) or fsdp (FSDP2: parameters, gradients and optimizer state sharded across
+    the processes, each block gathered for its forward and backward) for models that do not fit one device."""
+    reshard_after_forward: bool = True
+    """fsdp: free each block's gathered parameters after its forward (gathered again for backward), saving memory
+    for one more all-gather per block."""
     dist_timeout: float = 300.0
     """Seconds a rank waits for the others in a collective before the run fails (PyTorch waits 1800): 5 minutes
     covers the others waiting while rank 0 writes a checkpoint; raise it if `checkpoint.push` takes longer."""

@@ -52,12 +52,19 @@ class Checkpointer:
             self.last_good = path
         if self.env.is_main and ckpt.keep_last:
             prune_checkpoints(self.run_dir, ckpt.keep_last, ckpt.milestone_every)
-        if self.env.is_main and ckpt.push:
-            branch = ckpt.push_branch or self.run_dir.resolve().name
-            commit = export_and_push(s.model, self.tokenizer, ckpt.push, branch, f"step {state.step}")
-            print0(self.env, f"pushed step {state.step} to {ckpt.push} branch {branch} ({commit[:12]})")
+        if ckpt.push:
+            self._push(state.step)
         self.seconds = time.perf_counter() - t0
         return path
+
+    def _push(self, step: int) -> None:
+        """An export of the weights to checkpoint.push's branch (rank 0; every process gathers them under fsdp)."""
+        ckpt = self.cfg.checkpoint
+        with self.setup.whole_model() as model:
+            if self.env.is_main:
+                branch = ckpt.push_branch or self.run_dir.resolve().name
+                commit = export_and_push(model, self.tokenizer, ckpt.push, branch, f"step {step}")
+                print0(self.env, f"pushed step {step} to {ckpt.push} branch {branch} ({commit[:12]})")
 
     def restore(self, ckpt: Path, state: TrainState, loader) -> list[str]:
         """Continue from `ckpt` into the fresh setup; returns the settings that changed since it was saved, each

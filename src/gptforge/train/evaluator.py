@@ -16,6 +16,7 @@ from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_e
 from gptforge.eval.loss import bytes_per_token, evaluate_loss, format_loss, mixture_loss
 from gptforge.files import append_jsonl
 from gptforge.model.generate import generate
+from gptforge.model.gpt import GPT
 from gptforge.rundir import SAMPLES
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import DistEnv, print0
@@ -62,28 +63,29 @@ class Evaluator:
             extras = f", {len(self.hellaswag):,} HellaSwag examples" if self.hellaswag else ""
             extras += f", code measures (eval.code={cfg.eval.code})" if cfg.eval.code else ""
             print0(env, f"step {step:>6} | evaluating: {cfg.eval.tokens:,} validation tokens{extras}...")
-        val = self.validate()
-        self.metrics.write("val", step, **val)
-        if self.hellaswag:
-            hs = evaluate_hellaswag(s.model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
-            self.metrics.write("hellaswag", step, **hs)
-            print0(self.env, f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
-        if cfg.eval.code and math.isfinite(val["loss"]):  # a diverged model has nothing to write
-            scores = self.code()
-            self.metrics.write("code", step, **dataclasses.asdict(scores))
-            print0(self.env, f"step {step:>6} | {format_code(scores)}")
-        if cfg.eval.sample_tokens > 0 and env.is_main and math.isfinite(val["loss"]):  # nothing to read otherwise
-            print0(self.env, f"step {step:>6} | sample: {self.sample(step)!r}")
+        with s.whole_model() as model:
+            val = self.validate(model)
+            self.metrics.write("val", step, **val)
+            if self.hellaswag:
+                hs = evaluate_hellaswag(model, self.tokenizer, self.hellaswag, s.device, s.dtype, env)
+                self.metrics.write("hellaswag", step, **hs)
+                print0(self.env, f"step {step:>6} | hellaswag {format_hellaswag(hs)}")
+            if cfg.eval.code and math.isfinite(val["loss"]):  # a diverged model has nothing to write
+                scores = self.code(model)
+                self.metrics.write("code", step, **dataclasses.asdict(scores))
+                print0(self.env, f"step {step:>6} | {format_code(scores)}")
+            if cfg.eval.sample_tokens > 0 and env.is_main and math.isfinite(val["loss"]):  # nothing to read else
+                print0(self.env, f"step {step:>6} | sample: {self.sample(model, step)!r}")
         self.seconds = time.perf_counter() - t
         print0(self.env, f"step {step:>6} | val {format_loss(val)} | {self.seconds:.1f}s")
         return val
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, model: GPT) -> dict[str, float]:
         """Validation loss, perplexity and bits per byte; for a mix, each folder's and their weighted mean."""
         s, B, T = self.setup, self.cfg.train.micro_batch, self.cfg.model.block_size
         scores = {
             source: evaluate_loss(
-                s.model, source.path, B, T, self.cfg.eval.tokens, s.device, s.dtype, env=self.env, loader=loader
+                model, source.path, B, T, self.cfg.eval.tokens, s.device, s.dtype, env=self.env, loader=loader
             )
             for source, loader in self.val_loaders.items()
         }
@@ -97,15 +99,15 @@ class Evaluator:
             },
         )
 
-    def code(self) -> CodeScores:
+    def code(self, model: GPT) -> CodeScores:
         """The code measures on the first validation folder, the cases shared among the processes: the same cases
         and random streams every time, so the steps compare; the training RNG is untouched."""
         s, source = self.setup, next(iter(self.val_loaders))
-        was_training = s.model.training
-        s.model.eval()
+        was_training = model.training
+        model.eval()
         try:
             return evaluate_code(
-                s.model,
+                model,
                 self.tokenizer,
                 source.path,
                 self.cfg.eval.code,
@@ -115,25 +117,25 @@ class Evaluator:
                 env=self.env,
             )
         finally:
-            s.model.train(was_training)
+            model.train(was_training)
 
-    def sample(self, step: int) -> str:
+    def sample(self, model: GPT, step: int) -> str:
         """A continuation of `eval.prompt`, appended to samples.jsonl. Eval mode and a generator seeded per step
         leave the training RNG untouched (dropout would otherwise draw from it), so resumes stay exact."""
         s, prompt = self.setup, self.cfg.eval.prompt
         g = torch.Generator(device=s.device).manual_seed(self.cfg.train.seed + step)
-        was_training = s.model.training
-        s.model.eval()
+        was_training = model.training
+        model.eval()
         with autocast(s.device, s.dtype):
             new = generate(
-                s.model,
+                model,
                 self.tokenizer.encode(prompt) or [self.tokenizer.eot],  # empty: a fresh document, as `sample`
                 self.cfg.eval.sample_tokens,
                 top_k=50,
                 eot=self.tokenizer.eot,
                 generator=g,
             )
-        s.model.train(was_training)
+        model.train(was_training)
         text = prompt + self.tokenizer.decode(new[0])
         append_jsonl(self.run_dir / SAMPLES, {"step": step, "prompt": prompt, "text": text})
         return text

@@ -5,9 +5,11 @@ The trainer and `gptforge bench` both build through `build`, so the bench times 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from gptforge.runtime import dtype_name
 from gptforge.runtime.device import DTYPES, physical_memory, resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
+from gptforge.runtime.fsdp import is_sharded, shard, whole_state
 from gptforge.runtime.threads import busy_warning, use_threads
 from gptforge.train.optim import build_optimizer, lr_at
 
@@ -186,6 +189,20 @@ class TrainSetup:
     notes: tuple[str, ...] = ()
     """Lines the run header adds: a warning when the CPU's matmuls run far below an idle machine's speed."""
 
+    @contextlib.contextmanager
+    def whole_model(self) -> Iterator[GPT]:
+        """The model with all its weights on this process (evaluation, sampling, exports): itself, or under fsdp
+        a copy gathered from the shards for the block's duration. Every process must enter it."""
+        if not is_sharded(self.model):
+            yield self.model
+            return
+        weights, _ = whole_state(self.model, None, rank0_only=False)
+        copy = GPT(self.model.config).to(self.device)
+        copy.load_state_dict(weights)
+        copy.train(self.model.training)
+        del weights
+        yield copy
+
 
 def build(
     cfg: Config, env: DistEnv, device: torch.device, weights: dict[str, torch.Tensor] | None = None
@@ -202,15 +219,21 @@ def build(
     if weights is not None:
         model.load_state_dict(weights)
     model.to(device)
-    train_model = wrap(torch.compile(model) if cfg.train.compile else model, env, device)
+    notes = []
+    if cfg.train.parallel == "fsdp" and env.distributed:
+        shard(model, model.transformer.h, device, dtype, cfg.train.reshard_after_forward)
+        train_model = torch.compile(model) if cfg.train.compile else model
+    else:
+        train_model = wrap(torch.compile(model) if cfg.train.compile else model, env, device)
+    if cfg.train.parallel == "fsdp" and not env.distributed:
+        notes.append("train.parallel=fsdp with one process: nothing to shard, it trains as one process would")
     optimizer = build_optimizer(model, cfg.optim, device.type, cfg.train.zero and env.distributed, dtype)
     # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16 and device.type == "cuda")
     peak, peak_source = peak_flops(device, dtype, cfg.train.peak_flops)
     slow = busy_warning(peak, dtype) if device.type == "cpu" and not cfg.train.peak_flops else None
-    return TrainSetup(
-        model, train_model, optimizer, scaler, device, dtype, grad_accum, peak, peak_source, (slow,) if slow else ()
-    )
+    notes += [slow] if slow else []
+    return TrainSetup(model, train_model, optimizer, scaler, device, dtype, grad_accum, peak, peak_source, tuple(notes))
 
 
 def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> str:

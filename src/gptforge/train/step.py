@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_mean
+from gptforge.runtime.fsdp import gradient_sync, local_norm
 
 
 def train_step(
@@ -32,9 +32,8 @@ def train_step(
     for micro in range(accum):
         x, y = next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        # DDP all-reduces gradients in backward; only the last micro-step needs it.
-        last_micro = micro == accum - 1
-        with contextlib.nullcontext() if last_micro or not env.distributed else train_model.no_sync():
+        # DDP and FSDP reduce gradients in backward; only the last micro-step needs it.
+        with gradient_sync(model, train_model, sync=micro == accum - 1):
             with autocast(device, dtype):
                 _, loss = train_model(x, y)
                 # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
@@ -43,7 +42,7 @@ def train_step(
             scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     clip = grad_clip if grad_clip > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the pre-clip norm, same on every rank
+    norm = local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))  # pre-clip, same on every rank
     all_reduce_mean(loss_accum, env)
     # The step's wait for the device: the loss and norm the trainer reads next are ready by then.
     finite = bool(torch.isfinite(norm) & torch.isfinite(loss_accum))

@@ -1,0 +1,142 @@
+"""train.parallel=fsdp (FSDP2 over gloo): 2 and 4 processes equal one process with the same global batch, each holds
+about 1/N of the parameters and optimizer state, and its checkpoints resume under fsdp and ddp."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tests.helpers import cli, losses, weights
+from tests.train.test_distributed import COMMON, ENV, TIMEOUT, torchrun
+
+from gptforge.checkpoint import state_by_index, state_by_name
+from gptforge.config import load_config
+from gptforge.errors import GptforgeError
+
+MODERN = ["model.position=rotary", "model.norm=rmsnorm", "model.mlp=swiglu", "model.qk_norm=true",
+          "model.tie_embeddings=false", "model.bias=false"]  # fmt: skip
+
+
+def run(args, **kwargs):
+    done = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, **kwargs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def one_process(data_dir, out, *settings):
+    sets = [a for s in ("train.batch_tokens=512", *settings) for a in ("--set", s)]
+    return run(cli("train", *COMMON, "--data", data_dir, "--out", out, *sets))
+
+
+def fsdp(data_dir, out, processes, *settings):
+    launcher = ["--standalone", "--nproc-per-node", str(processes)]
+    return run(torchrun(launcher, data_dir, out, "train.parallel=fsdp", *settings), env=ENV)
+
+
+def assert_same_run(a, b):
+    """Losses within 1e-5 at every step and weights within 1e-5: reduction order is all that differs (measured
+    equal to the printed digits)."""
+    la, lb = losses(a), losses(b)
+    assert la.keys() == lb.keys() == set(range(1, 7))
+    assert all(abs(la[s] - lb[s]) <= 1e-5 for s in la), (la, lb)
+    for (name, x), y in zip(weights(a).items(), weights(b).values(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
+    va, vb = losses(a, "val"), losses(b, "val")  # evaluated on the weights gathered from the shards
+    assert va.keys() == vb.keys() == {0, 3, 6} and all(abs(va[s] - vb[s]) <= 1e-5 for s in va)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [2, 4])
+def test_fsdp_processes_match_one_process_with_the_same_global_batch(data_dir, tmp_path, processes):
+    one_process(data_dir, tmp_path / "one", "eval.sample_tokens=4")
+    out = fsdp(data_dir, tmp_path / "fsdp", processes, "eval.sample_tokens=4", "checkpoint.every=3")
+    assert f"{processes} processes x {4 // processes} accumulation" in out
+    assert_same_run(tmp_path / "one", tmp_path / "fsdp")
+    samples = [(tmp_path / run / "samples.jsonl").read_text() for run in ("one", "fsdp")]
+    assert samples[0] == samples[1]  # rank 0 samples from the gathered weights while the others wait
+
+
+@pytest.mark.slow
+def test_fsdp_trains_the_modern_block_as_one_process_does(data_dir, tmp_path):
+    alone = one_process(data_dir, tmp_path / "one", "train.parallel=fsdp", *MODERN)
+    assert "train.parallel=fsdp with one process: nothing to shard" in alone  # said once, then it trains as usual
+    fsdp(data_dir, tmp_path / "fsdp", 2, *MODERN)
+    assert_same_run(tmp_path / "one", tmp_path / "fsdp")
+
+
+@pytest.mark.slow
+def test_fsdp_and_ddp_checkpoints_resume_under_either_as_if_never_stopped(data_dir, tmp_path):
+    """An fsdp checkpoint holds the whole weights and optimizer state (keyed by parameter names), so it resumes
+    under fsdp or ddp, and a ddp checkpoint (keyed by position) under fsdp."""
+    two = ["--standalone", "--nproc-per-node", "2"]
+    fsdp(data_dir, tmp_path / "fsdp", 2, "checkpoint.every=3")
+    run(torchrun(two, data_dir, tmp_path / "ddp", "checkpoint.every=3"), env=ENV)
+    saved = torch.load(tmp_path / "fsdp" / "checkpoints" / "step_000003" / "optimizer.pt", weights_only=True)
+    assert "transformer.wte.weight" in saved["state"]
+    for source, parallel in (("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp")):
+        out, ckpt = tmp_path / f"{source}-{parallel}", tmp_path / source / "checkpoints" / "step_000003"
+        stdout = run([*torchrun(two, data_dir, out, f"train.parallel={parallel}"), "--resume", str(ckpt)], env=ENV)
+        assert f"resumed from {ckpt} at step 3" in stdout
+        before, after = losses(tmp_path / source), losses(out)
+        assert after.keys() == {4, 5, 6} and all(abs(before[s] - after[s]) <= 1e-5 for s in after), (before, after)
+
+
+def test_optimizer_state_converts_between_positions_and_names_both_ways():
+    names = ["a.weight", "b.weight", "b.bias"]
+    by_index = {
+        "state": {0: {"step": torch.tensor(3.0)}, 2: {"step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}],
+    }
+    by_name = state_by_name(by_index, names)
+    assert set(by_name["state"]) == {"a.weight", "b.bias"}
+    assert [g["params"] for g in by_name["param_groups"]] == [["a.weight", "b.weight"], ["b.bias"]]
+    assert state_by_index(by_name, names) == by_index
+    assert state_by_name(by_name, names) is by_name and state_by_index(by_index, names) is by_index
+    muon = {"muon": {}, "adamw": {}}
+    assert state_by_index(muon, names) is muon
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["train.parallel=fsdp", "train.zero=true"], "FSDP already shards the optimizer's state; drop train.zero"),
+        (["train.parallel=fsdp", "optim.optimizer=muon"], "optim.optimizer=muon with train.parallel=fsdp"),
+        (["train.parallel=zero3"], "train.parallel"),
+    ],
+)
+def test_fsdp_refuses_what_it_cannot_combine_in_one_line(settings, message):
+    with pytest.raises(GptforgeError, match=message) as e:
+        load_config("tiny", settings)
+    assert "\n" not in str(e.value)
+
+
+SHARE = """
+import json, torch
+from gptforge.config import load_config
+from gptforge.runtime.distributed import init
+from gptforge.train.setup import build
+from gptforge.train.step import train_step
+env, device = init("cpu", 60)
+cfg = load_config("tiny", ["train.parallel=fsdp", "train.batch_tokens=512", "train.dtype=float32"])
+s = build(cfg, env, torch.device("cpu"))
+x = torch.randint(0, 50257, (4, 32))
+train_step(s.train_model, s.model, s.optimizer, s.scaler, lambda: (x, x), s.grad_accum, 1.0, s.dtype, env)
+local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+params = sum(local(p).numel() for p in s.model.parameters())
+state = sum(local(v).numel() for st in s.optimizer.state.values() for v in st.values() if v.dim() > 0)
+print(json.dumps({"rank": env.rank, "params": params, "state": state}))
+"""
+
+
+@pytest.mark.slow
+def test_each_fsdp_process_holds_about_a_share_of_the_parameters_and_optimizer_state(tmp_path):
+    script = tmp_path / "share.py"
+    script.write_text(SHARE)
+    alone = json.loads(run([sys.executable, str(script)]).splitlines()[-1])
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    shares = [json.loads(line) for line in run([*launcher, str(script)], env=ENV).splitlines() if "rank" in line]
+    assert len(shares) == 2
+    for share in shares:  # 1/2 each, up to the padding of a row count that does not split evenly
+        assert abs(share["params"] / alone["params"] - 0.5) < 0.01, (share, alone)
+        assert abs(share["state"] / alone["state"] - 0.5) < 0.01, (share, alone)
