@@ -64,11 +64,36 @@ def test_epochs_are_reshuffled(tmp_path):
     assert epoch0 != epoch1 and sorted(sum(epoch0, [])) == sorted(sum(epoch1, []))
 
 
-def test_changed_batch_shape_on_resume_is_refused(tmp_path):
-    make_data(tmp_path, [400])
-    state = TokenLoader(tmp_path, "train", 4, 8).state_dict()
-    with pytest.raises(GptforgeError, match="saved with batch 4 x 8 on 1 rank"):
-        TokenLoader(tmp_path, "train", 2, 8).load_state_dict(state)
+def served(loaders, steps, accum):
+    """The windows (first tokens) each of `steps` optimizer steps takes from `loaders` (one per rank)."""
+    return [
+        sorted(row for _ in range(accum) for ld in loaders for row in ld.next_batch()[0][:, 0].tolist())
+        for _ in range(steps)
+    ]
+
+
+def test_a_position_resumes_on_another_number_of_processes_or_micro_batch_from_the_same_window(tmp_path):
+    make_data(tmp_path, [8 * 404 + 1])  # 404 windows of 8; a step takes 16: every epoch is 25 steps, 4 left over
+    shape = {"seed": 3, "step_windows": 16}
+
+    def ranks(batch, world):
+        return [TokenLoader(tmp_path, "train", batch, 8, r, world, **shape) for r in range(world)]
+
+    straight = served(ranks(4, 2), 60, accum=2)  # crosses two epoch ends
+    for batch, world in ((4, 1), (2, 4), (8, 2), (16, 1)):
+        first = ranks(4, 2)
+        got = served(first, 7, accum=2)
+        resumed = ranks(batch, world)
+        for ld in resumed:
+            ld.load_state_dict(first[0].state_dict())
+        got += served(resumed, 53, accum=16 // (batch * world))
+        assert got == straight, (batch, world)
+    odd = TokenLoader(tmp_path, "train", 4, 8)
+    odd.next_batch()  # 4 windows in: half a batch of 8
+    with pytest.raises(GptforgeError, match="stopped 4 windows into an epoch, not a whole number of global batches"):
+        TokenLoader(tmp_path, "train", 8, 8).load_state_dict(odd.state_dict())
+    with pytest.raises(GptforgeError, match="saved with windows of 8 tokens, now 4"):
+        TokenLoader(tmp_path, "train", 4, 4).load_state_dict(TokenLoader(tmp_path, "train", 4, 8).state_dict())
 
 
 def test_too_little_data(tmp_path):

@@ -46,15 +46,40 @@ def assert_same_run(a, b):
     assert va.keys() == vb.keys() == {0, 3, 6} and all(abs(va[s] - vb[s]) <= 1e-5 for s in va)
 
 
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):
+    """One process, and fsdp over 2 and over 4, each checkpointing at step 3: {processes: run folder}."""
+    root, settings = tmp_path_factory.mktemp("fsdp"), ("eval.sample_tokens=4", "checkpoint.every=3")
+    one_process(data_dir, root / "one", *settings)
+    for processes in (2, 4):
+        stdout = fsdp(data_dir, root / f"fsdp{processes}", processes, *settings)
+        assert f"{processes} processes x {4 // processes} accumulation" in stdout
+    return {1: root / "one", 2: root / "fsdp2", 4: root / "fsdp4"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [2, 4])
-def test_fsdp_processes_match_one_process_with_the_same_global_batch(data_dir, tmp_path, processes):
-    one_process(data_dir, tmp_path / "one", "eval.sample_tokens=4")
-    out = fsdp(data_dir, tmp_path / "fsdp", processes, "eval.sample_tokens=4", "checkpoint.every=3")
-    assert f"{processes} processes x {4 // processes} accumulation" in out
-    assert_same_run(tmp_path / "one", tmp_path / "fsdp")
-    samples = [(tmp_path / run / "samples.jsonl").read_text() for run in ("one", "fsdp")]
+def test_fsdp_processes_match_one_process_with_the_same_global_batch(runs, processes):
+    assert_same_run(runs[1], runs[processes])
+    samples = [(runs[n] / "samples.jsonl").read_text() for n in (1, processes)]
     assert samples[0] == samples[1]  # rank 0 samples from the gathered weights while the others wait
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "resumed"), [(4, 2), (2, 4), (2, 1)])
+def test_a_run_resumes_on_another_number_of_processes_as_if_never_stopped(runs, data_dir, tmp_path, saved, resumed):
+    """The same global batches follow (epochs hold whole steps for any number of processes), so the losses are the
+    uninterrupted run's within 1e-5 (reduction order)."""
+    ckpt, out = runs[saved] / "checkpoints" / "step_000003", tmp_path / "resumed"
+    if resumed == 1:
+        stdout = run([*cli("train", *COMMON, "--data", data_dir, "--out", out, "--resume", ckpt),
+                      "--set", "train.batch_tokens=512"])  # fmt: skip
+    else:
+        stdout = run([*torchrun(["--standalone", "--nproc-per-node", str(resumed)], data_dir, out,
+                                "train.parallel=fsdp"), "--resume", str(ckpt)], env=ENV)  # fmt: skip
+    assert f"the data position carries over from {saved} process(es) x 4 sequences to {resumed} x 4" in stdout
+    before, after = losses(runs[saved]), losses(out)
+    assert after.keys() == {4, 5, 6} and all(abs(before[s] - after[s]) <= 1e-5 for s in after), (before, after)
 
 
 @pytest.mark.slow
@@ -66,19 +91,19 @@ def test_fsdp_trains_the_modern_block_as_one_process_does(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_and_ddp_checkpoints_resume_under_either_as_if_never_stopped(data_dir, tmp_path):
+def test_fsdp_and_ddp_checkpoints_resume_under_either_as_if_never_stopped(runs, data_dir, tmp_path):
     """An fsdp checkpoint holds the whole weights and optimizer state (keyed by parameter names), so it resumes
     under fsdp or ddp, and a ddp checkpoint (keyed by position) under fsdp."""
     two = ["--standalone", "--nproc-per-node", "2"]
-    fsdp(data_dir, tmp_path / "fsdp", 2, "checkpoint.every=3")
     run(torchrun(two, data_dir, tmp_path / "ddp", "checkpoint.every=3"), env=ENV)
-    saved = torch.load(tmp_path / "fsdp" / "checkpoints" / "step_000003" / "optimizer.pt", weights_only=True)
+    sources = {"fsdp": runs[2], "ddp": tmp_path / "ddp"}
+    saved = torch.load(runs[2] / "checkpoints" / "step_000003" / "optimizer.pt", weights_only=True)
     assert "transformer.wte.weight" in saved["state"]
     for source, parallel in (("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp")):
-        out, ckpt = tmp_path / f"{source}-{parallel}", tmp_path / source / "checkpoints" / "step_000003"
+        out, ckpt = tmp_path / f"{source}-{parallel}", sources[source] / "checkpoints" / "step_000003"
         stdout = run([*torchrun(two, data_dir, out, f"train.parallel={parallel}"), "--resume", str(ckpt)], env=ENV)
         assert f"resumed from {ckpt} at step 3" in stdout
-        before, after = losses(tmp_path / source), losses(out)
+        before, after = losses(sources[source]), losses(out)
         assert after.keys() == {4, 5, 6} and all(abs(before[s] - after[s]) <= 1e-5 for s in after), (before, after)
 
 

@@ -2,7 +2,9 @@
 
 A split's shards form one token stream cut into windows of T+1 tokens at stride T (windows cross shard
 boundaries). Each epoch serves every window once in a seeded order; a global batch takes B*world windows and
-rank r gets the r-th block of B. Windows left over at an epoch's end that cannot fill a global batch are skipped.
+rank r gets the r-th block of B. An epoch holds whole optimizer steps (`step_windows`, the same for any number of
+processes), so a run resumes on another number of processes or micro-batch size from the same global window; the
+windows left over at an epoch's end are skipped.
 Shards with a recorded sha256 are checked on a background thread: batches flow meanwhile, and a mismatch
 stops the next batch.
 """
@@ -63,7 +65,9 @@ class TokenLoader:
         seed: int = 0,
         shuffle: bool = True,
         fim: FIM | None = None,
+        step_windows: int = 0,
     ) -> None:
+        """`step_windows`: windows an optimizer step takes across all processes (0: one global batch, B x world)."""
         self.fim = fim
         self.manifest = manifest = read_manifest(data_dir)
         if split == "val" and rank == 0 and "dedup" not in manifest.get("settings", {"dedup": None}):
@@ -76,7 +80,9 @@ class TokenLoader:
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.n_windows = max(0, (int(self.offsets[-1]) - 1) // seq_len)
-        self.batches_per_epoch = self.n_windows // (batch_size * world_size)
+        unit = batch_size * world_size
+        unit = step_windows if step_windows % unit == 0 and unit <= step_windows <= self.n_windows else unit
+        self.batches_per_epoch = self.n_windows // unit * unit // (batch_size * world_size)
         if self.batches_per_epoch == 0:
             raise GptforgeError(
                 f"{data_dir}: split {split!r} has {int(self.offsets[-1]):,} tokens, too few for one batch of "
@@ -144,10 +150,19 @@ class TokenLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`, saved with any micro-batch size and number of processes whose global batches
+        reach the window it stopped at."""
         if "sources" in state:
             raise GptforgeError("cannot resume the data position: it was saved by a run on a mix (data.mix)")
-        check_batch_shape(state, self.B, self.T, self.world)
-        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        check_seq_len(state, self.T)
+        served = state["position"] * state["batch_size"] * state["world_size"]  # windows of this epoch
+        if served % (self.B * self.world):
+            raise GptforgeError(
+                f"cannot resume the data position: it stopped {served} windows into an epoch, not a whole number of "
+                f"global batches of {self.B} x {self.world} process(es) (resume with train.micro_batch or the "
+                f"number of processes it had: {state['batch_size']} x {state['world_size']})"
+            )
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], served // (self.B * self.world)
         self._order = self.order(self.epoch)
 
     def progress(self, state: dict[str, Any]) -> dict[str, float]:
@@ -160,11 +175,10 @@ class TokenLoader:
         return f"data: {epoch:,} tokens an epoch; the planned {tokens:,} tokens are {tokens / epoch:.2f} epochs"
 
 
-def check_batch_shape(state: dict[str, Any], batch_size: int, seq_len: int, world_size: int) -> None:
-    """Refuse a saved data position taken with another batch shape: its windows and epochs mean other text."""
-    shape = (state["batch_size"], state["seq_len"], state["world_size"])
-    if shape != (batch_size, seq_len, world_size):
+def check_seq_len(state: dict[str, Any], seq_len: int) -> None:
+    """Refuse a saved data position taken with another window length: its window numbers mean other text."""
+    if state["seq_len"] != seq_len:
         raise GptforgeError(
-            f"cannot resume the data position: saved with batch {shape[0]} x {shape[1]} on {shape[2]} rank(s), "
-            f"now {batch_size} x {seq_len} on {world_size}"
+            f"cannot resume the data position: saved with windows of {state['seq_len']} tokens, now {seq_len} "
+            "(model.block_size)"
         )

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gptforge.data.fim import FIM
-from gptforge.data.loader import TokenLoader, check_batch_shape
+from gptforge.data.loader import TokenLoader, check_seq_len
 from gptforge.data.shards import read_manifest
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
@@ -131,11 +131,12 @@ class MixtureLoader:
         seed: int = 0,
         shuffle: bool = True,
         fim: FIM | None = None,
+        step_windows: int = 0,
     ) -> None:
         self.sources = sources
         # Source i's epochs are shuffled with seed + i: a one-source mix is the TokenLoader of its folder.
         self.loaders = [
-            TokenLoader(s.path, split, batch_size, seq_len, rank, world_size, seed + i, shuffle, fim)
+            TokenLoader(s.path, split, batch_size, seq_len, rank, world_size, seed + i, shuffle, fim, step_windows)
             for i, s in enumerate(sources)
         ]
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world_size
@@ -179,7 +180,7 @@ class MixtureLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`. Each source named in it goes on from its position; with the same shares the
         schedule goes on too (the stream is the uninterrupted one), with new ones it starts afresh from here."""
-        check_batch_shape(state, self.B, self.T, self.world)
+        check_seq_len(state, self.T)
         saved = state.get("sources")
         if not isinstance(saved, dict):
             raise GptforgeError("cannot resume the data position: it was saved by a single-folder run (data.path)")

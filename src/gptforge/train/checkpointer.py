@@ -82,6 +82,13 @@ class Checkpointer:
                 stacklevel=2,
             )
         loader.load_state_dict(meta["loader"])
+        was = (meta["loader"]["world_size"], meta["loader"]["batch_size"])
+        if was != (self.env.world_size, self.cfg.train.micro_batch):
+            print0(
+                self.env,
+                f"the data position carries over from {was[0]} process(es) x {was[1]} sequences to "
+                f"{self.env.world_size} x {self.cfg.train.micro_batch}: the same global batches follow",
+            )
         state.load_state_dict(meta)
         if meta.get("scaler"):
             s.scaler.load_state_dict(meta["scaler"])

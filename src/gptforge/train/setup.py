@@ -77,6 +77,7 @@ def train_loader(cfg: Config, data: Data, env: DistEnv) -> TokenLoader | Mixture
     """This rank's training batches: the folder's `TokenLoader`, or a `MixtureLoader` over the mix."""
     shape = {"batch_size": cfg.train.micro_batch, "seq_len": cfg.model.block_size}
     where = {"rank": env.rank, "world_size": env.world_size, "seed": cfg.train.seed, "shuffle": cfg.data.shuffle}
+    where["step_windows"] = cfg.train.batch_tokens // cfg.model.block_size  # epochs the same for any world size
     if isinstance(data.tokenizer, FIMTokenizer):
         where["fim"] = FIM(data.tokenizer, cfg.data.fim_rate, cfg.data.fim_spm_rate)
     if data.mixed:
