@@ -86,9 +86,16 @@ def write_checkpoint(
     return final
 
 
+def quiet_model(config: GPTConfig) -> GPT:
+    """A GPT of `config` on the CPU built without drawing from torch's generator: a copy made mid-run (to write or
+    evaluate FSDP's gathered weights) must leave the run's dropout stream as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return GPT(config)
+
+
 def _on_cpu(config: GPTConfig, weights: dict[str, torch.Tensor]) -> GPT:
     """A model on the CPU holding `weights` (gathered from FSDP's shards), for writing."""
-    model = GPT(config)
+    model = quiet_model(config)
     model.load_state_dict(weights)
     return model
 
@@ -345,7 +352,7 @@ def restore_training_state(
     """Load weights, optimizer and this rank's RNG state into a fresh model/optimizer; returns the meta."""
     sharded = is_sharded(model)
     if sharded:  # every process reads the whole file and keeps its shard
-        whole = GPT(model.config)
+        whole = quiet_model(model.config)
         _load_weights(whole, ckpt, "cpu")
     else:
         _load_weights(model, ckpt, device)

@@ -58,12 +58,13 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_with_zero_resume_exactly_with_dropout_samples_and_hellaswag(data_dir, tmp_path):
+@pytest.mark.parametrize("sharding", ["train.zero=true", "train.parallel=fsdp"])
+def test_two_processes_with_zero_resume_exactly_with_dropout_samples_and_hellaswag(data_dir, tmp_path, sharding):
     write_examples(tmp_path / "h.jsonl", n=4, labels=[0, 1, 2, 3])
     settings = [
         "train.max_steps=40",
         "train.batch_tokens=512",
-        "train.zero=true",
+        sharding,
         "model.dropout=0.1",
         "eval.every=7",  # evaluation, HellaSwag and samples at steps the stop does not fall on as well
         f"eval.hellaswag={tmp_path / 'h.jsonl'}",

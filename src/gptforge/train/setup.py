@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gptforge.checkpoint import META, load_checkpoint, read_meta, resolve_checkpoint
+from gptforge.checkpoint import META, load_checkpoint, quiet_model, read_meta, resolve_checkpoint
 from gptforge.config import Config, config_from_dict
 from gptforge.data.fim import FIM, FIMTokenizer, with_fim
 from gptforge.data.loader import TokenLoader
@@ -198,7 +198,7 @@ class TrainSetup:
             yield self.model
             return
         weights, _ = whole_state(self.model, None, rank0_only=False)
-        copy = GPT(self.model.config).to(self.device)
+        copy = quiet_model(self.model.config).to(self.device)
         copy.load_state_dict(weights)
         copy.train(self.model.training)
         del weights
