@@ -31,9 +31,21 @@ from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, 
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
-from gptforge.runtime.fsdp import is_sharded, load_whole_state, whole_state
+from gptforge.runtime.fsdp import (
+    is_sharded,
+    load_shard_weights,
+    load_shards,
+    load_whole_state,
+    optimizer_names,
+    save_shards,
+    shard_shapes,
+    shards_problem,
+    state_by_index,
+    state_by_name,
+)
 
 META = "meta.json"
+SHARDS = "shards"  # an fsdp run's weights and optimizer state, one file per process (torch.distributed.checkpoint)
 
 
 def save_checkpoint(
@@ -51,16 +63,16 @@ def save_checkpoint(
     tmp = temp_dir_path(final)
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
-    optimizer_state = optimizer.state_dict() if optimizer is not None and env.is_main else None
-    if is_sharded(model):  # FSDP: the whole weights and optimizer state, gathered on rank 0
-        weights, optimizer_state = whole_state(model, optimizer, rank0_only=True)
-        model = _on_cpu(model.config, weights) if env.is_main else model
+    sharded = is_sharded(model)  # FSDP: every process writes its own shards, no gathering
+    optimizer_state = optimizer.state_dict() if optimizer is not None and env.is_main and not sharded else None
     try:
         with writing(final):
             if env.is_main:
                 meta = {"step": step, **(extra or {})}
-                _write_files(temp_dir_for(final), model, optimizer_state, cfg, tokenizer, meta)
+                _write_files(temp_dir_for(final), None if sharded else model, optimizer_state, cfg, tokenizer, meta)
             barrier(env)
+            if sharded:
+                save_shards(model, optimizer, tmp / SHARDS)
             torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
     except GptforgeError:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back; the previous checkpoint stands
@@ -87,56 +99,19 @@ def write_checkpoint(
 
 
 def quiet_model(config: GPTConfig) -> GPT:
-    """A GPT of `config` on the CPU built without drawing from torch's generator: a copy made mid-run (to write or
-    evaluate FSDP's gathered weights) must leave the run's dropout stream as it was."""
+    """A GPT of `config` on the CPU built without drawing from torch's generator: a copy made mid-run (FSDP's
+    gathered weights to evaluate, a checkpoint's to resume from) must leave the run's dropout stream as it was."""
     with torch.random.fork_rng(devices=[]):
         return GPT(config)
 
 
-def _on_cpu(config: GPTConfig, weights: dict[str, torch.Tensor]) -> GPT:
-    """A model on the CPU holding `weights` (gathered from FSDP's shards), for writing."""
-    model = quiet_model(config)
-    model.load_state_dict(weights)
-    return model
-
-
-def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Each optimized parameter's name, in the optimizer's order (the indices of its own state_dict)."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def _by_index(state: dict) -> bool:
-    return all(isinstance(p, int) for group in state.get("param_groups", []) for p in group["params"])
-
-
-def state_by_name(state: dict, names: list[str]) -> dict:
-    """An optimizer state keyed by parameter names (FSDP's form), from either form: runs change parallelism."""
-    if not _by_index(state):
-        return state
-    return {
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def state_by_index(state: dict, names: list[str]) -> dict:
-    """An optimizer state keyed by position (torch.optim's own form), from either form (Muon's passes as is)."""
-    if "param_groups" not in state or _by_index(state):
-        return state
-    index = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-    }
-
-
 def _write_files(
-    tmp: Path, model: GPT, optimizer_state: dict | None, cfg: Config, tokenizer: Tokenizer, meta: dict
+    tmp: Path, model: GPT | None, optimizer_state: dict | None, cfg: Config, tokenizer: Tokenizer, meta: dict
 ) -> None:
-    """The files of a checkpoint, into a fresh folder that `swap_dir` then puts in place."""
-    save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
-    usual_mode(tmp / "model.safetensors")
+    """The files of a checkpoint (the weights unless sharded), into a fresh folder that `swap_dir` puts in place."""
+    if model is not None:
+        save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
+        usual_mode(tmp / "model.safetensors")
     if optimizer_state is not None:
         torch.save(optimizer_state, tmp / "optimizer.pt")
     if tokenizer.path is not None:
@@ -206,8 +181,9 @@ def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError, GptforgeError) as e:
         return f"{META} is unreadable or incomplete ({type(e).__name__}: {e})"
-    problem = _tokenizer_problem(ckpt, meta.get("tokenizer")) or _safetensors_problem(ckpt / "model.safetensors")
-    if problem or not for_training:
+    weights = shards_problem(ckpt / SHARDS) if sharded(ckpt) else _safetensors_problem(ckpt / "model.safetensors")
+    problem = _tokenizer_problem(ckpt, meta.get("tokenizer")) or weights
+    if problem or not for_training or sharded(ckpt):  # the shards hold the optimizer's state too
         return problem
     if not (ckpt / "optimizer.pt").is_file():
         return "no optimizer.pt: not a training checkpoint (start from its weights with train.init_from)"
@@ -287,13 +263,27 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / META).read_text(encoding="utf-8"))
 
 
-def weights_misfit(model: GPT, path: Path) -> str | None:
-    """How the tensors of safetensors file `path` differ from `model`'s in names and shapes (layers shown as h.*),
-    or None; only the file's header is read."""
+def sharded(ckpt: Path) -> bool:
+    """Whether checkpoint `ckpt` holds its weights and optimizer as shards (an fsdp run's) rather than whole."""
+    return (ckpt / SHARDS).is_dir()
+
+
+def _saved_shapes(ckpt: Path) -> dict[str, list[int]] | None:
+    """Each saved weight's shape by name, from the safetensors header or the shards' index (None: unreadable)."""
+    if sharded(ckpt):
+        return shard_shapes(ckpt / SHARDS)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            saved = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 - not a dict
+        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 - not a dict
     except (SafetensorError, OSError):
+        return None
+
+
+def weights_misfit(model: GPT, ckpt: Path) -> str | None:
+    """How the weights checkpoint `ckpt` holds differ from `model`'s in names and shapes (layers shown as h.*), or
+    None; only the file's header or the shards' index is read."""
+    saved = _saved_shapes(ckpt)
+    if saved is None:
         return None  # unreadable: loading says so
     tied: dict[int, list[str]] = {}  # one entry per tensor, with all its names (the tied embedding has two)
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -302,7 +292,8 @@ def weights_misfit(model: GPT, path: Path) -> str | None:
     for names in tied.values():
         found = [n for n in names if n in saved]
         missing += names[:1] if not found else []
-        unexpected += found[1:]  # a tied tensor saved twice: the file's model had them apart
+        # A tied tensor saved twice: the file's model had them apart (the shards' index names every alias).
+        unexpected += found[1:] if not sharded(ckpt) else []
         want = list(model.state_dict()[names[0]].shape)
         shapes += [f"{n} {saved[n]} in the file, {want} in the model" for n in found[:1] if saved[n] != want]
     known = {n for names in tied.values() for n in names}
@@ -318,13 +309,18 @@ def _names(names: list[str], most: int = 4) -> str:
 
 
 def _load_weights(model: GPT, ckpt: Path, device: torch.device | str) -> None:
-    misfit = weights_misfit(model, ckpt / "model.safetensors")
+    """The checkpoint's weights into a whole `model` (placed on `device` when they are read whole)."""
+    source = ckpt / (SHARDS if sharded(ckpt) else "model.safetensors")
+    misfit = weights_misfit(model, ckpt)
     if misfit:
-        raise GptforgeError(f"{ckpt / 'model.safetensors'}: does not fit the model ({misfit})")
+        raise GptforgeError(f"{source}: does not fit the model ({misfit})")
     try:
-        load_model(model, str(ckpt / "model.safetensors"), device=str(device))
-    except (RuntimeError, OSError) as e:  # a damaged file: the first informative line says how
-        raise GptforgeError(f"{ckpt / 'model.safetensors'}: does not fit the model ({first_detail(e)})") from None
+        if sharded(ckpt):
+            load_shard_weights(model, source)
+        else:
+            load_model(model, str(source), device=str(device))
+    except (RuntimeError, OSError, ValueError) as e:  # a damaged file: the first informative line says how
+        raise GptforgeError(f"{source}: does not fit the model ({first_detail(e)})") from None
 
 
 @dataclass
@@ -350,24 +346,43 @@ def restore_training_state(
     ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, device: torch.device, env: DistEnv = SINGLE
 ) -> dict[str, Any]:
     """Load weights, optimizer and this rank's RNG state into a fresh model/optimizer; returns the meta."""
-    sharded = is_sharded(model)
-    if sharded:  # every process reads the whole file and keeps its shard
-        whole = quiet_model(model.config)
-        _load_weights(whole, ckpt, "cpu")
+    if sharded(ckpt):
+        _restore_shards(ckpt, model, optimizer)
     else:
-        _load_weights(model, ckpt, device)
-    try:
-        state = torch.load(ckpt / "optimizer.pt", map_location="cpu" if sharded else device, weights_only=True)
-        names = optimizer_names(model, optimizer)
-        if sharded:
-            load_whole_state(model, optimizer, whole.state_dict(), state_by_name(state, names))
-        else:
-            optimizer.load_state_dict(state_by_index(state, names))
-    except (RuntimeError, ValueError, OSError, KeyError) as e:
-        raise GptforgeError(f"{ckpt / 'optimizer.pt'}: cannot restore ({first_detail(e)})") from None
+        _restore_whole(ckpt, model, optimizer, device)
     rng = ckpt / f"rng_rank{env.rank}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=True))
     else:
         warnings.warn(f"{rng} is missing: resuming with fresh random state (dropout will differ)", stacklevel=2)
     return read_meta(ckpt)
+
+
+def _restore_shards(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer) -> None:
+    """A sharded checkpoint into a model sharded or whole, on any number of processes."""
+    misfit = weights_misfit(model, ckpt)
+    if misfit:
+        raise GptforgeError(f"{ckpt / SHARDS}: does not fit the model ({misfit})")
+    try:
+        load_shards(model, optimizer, ckpt / SHARDS)
+    except Exception as e:  # noqa: BLE001 - DCP wraps each process's failure in its own exception type
+        raise GptforgeError(f"{ckpt / SHARDS}: cannot restore ({first_detail(e)})") from None
+
+
+def _restore_whole(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """A checkpoint of whole files into a model sharded (every process reads them and keeps its shard) or whole."""
+    spread = is_sharded(model)
+    if spread:
+        whole = quiet_model(model.config)
+        _load_weights(whole, ckpt, "cpu")
+    else:
+        _load_weights(model, ckpt, device)
+    try:
+        state = torch.load(ckpt / "optimizer.pt", map_location="cpu" if spread else device, weights_only=True)
+        names = optimizer_names(model, optimizer)
+        if spread:
+            load_whole_state(model, optimizer, whole.state_dict(), state_by_name(state, names))
+        else:
+            optimizer.load_state_dict(state_by_index(state, names))
+    except (RuntimeError, ValueError, OSError, KeyError) as e:
+        raise GptforgeError(f"{ckpt / 'optimizer.pt'}: cannot restore ({first_detail(e)})") from None

@@ -2,6 +2,7 @@
 about 1/N of the parameters and optimizer state, and its checkpoints resume under fsdp and ddp."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -10,9 +11,10 @@ import torch
 from tests.helpers import cli, losses, weights
 from tests.train.test_distributed import COMMON, ENV, TIMEOUT, torchrun
 
-from gptforge.checkpoint import state_by_index, state_by_name
+from gptforge.checkpoint import checkpoint_problem, resolve_checkpoint
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
+from gptforge.runtime.fsdp import state_by_index, state_by_name
 
 MODERN = ["model.position=rotary", "model.norm=rmsnorm", "model.mlp=swiglu", "model.qk_norm=true",
           "model.tie_embeddings=false", "model.bias=false"]  # fmt: skip
@@ -53,7 +55,7 @@ def runs(data_dir, tmp_path_factory):
     one_process(data_dir, root / "one", *settings)
     for processes in (2, 4):
         stdout = fsdp(data_dir, root / f"fsdp{processes}", processes, *settings)
-        assert f"{processes} processes x {4 // processes} accumulation" in stdout
+        assert f"{processes} processes x {4 // processes} accumulation" in stdout and " float32 fsdp" in stdout
     return {1: root / "one", 2: root / "fsdp2", 4: root / "fsdp4"}
 
 
@@ -92,13 +94,13 @@ def test_fsdp_trains_the_modern_block_as_one_process_does(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_and_ddp_checkpoints_resume_under_either_as_if_never_stopped(runs, data_dir, tmp_path):
-    """An fsdp checkpoint holds the whole weights and optimizer state (keyed by parameter names), so it resumes
-    under fsdp or ddp, and a ddp checkpoint (keyed by position) under fsdp."""
+    """An fsdp checkpoint (each process's shards of the weights and optimizer state) resumes under fsdp or ddp, and
+    a ddp checkpoint (whole files, the optimizer's state keyed by position) under fsdp."""
     two = ["--standalone", "--nproc-per-node", "2"]
     run(torchrun(two, data_dir, tmp_path / "ddp", "checkpoint.every=3"), env=ENV)
     sources = {"fsdp": runs[2], "ddp": tmp_path / "ddp"}
-    saved = torch.load(runs[2] / "checkpoints" / "step_000003" / "optimizer.pt", weights_only=True)
-    assert "transformer.wte.weight" in saved["state"]
+    shards = runs[2] / "checkpoints" / "step_000003" / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one a rank
     for source, parallel in (("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp")):
         out, ckpt = tmp_path / f"{source}-{parallel}", sources[source] / "checkpoints" / "step_000003"
         stdout = run([*torchrun(two, data_dir, out, f"train.parallel={parallel}"), "--resume", str(ckpt)], env=ENV)
@@ -138,6 +140,7 @@ def test_fsdp_refuses_what_it_cannot_combine_in_one_line(settings, message):
 
 SHARE = """
 import json, torch
+from gptforge.checkpoint import checkpoint_problem, resolve_checkpoint
 from gptforge.config import load_config
 from gptforge.runtime.distributed import init
 from gptforge.train.setup import build
@@ -165,3 +168,22 @@ def test_each_fsdp_process_holds_about_a_share_of_the_parameters_and_optimizer_s
     for share in shares:  # 1/2 each, up to the padding of a row count that does not split evenly
         assert abs(share["params"] / alone["params"] - 0.5) < 0.01, (share, alone)
         assert abs(share["state"] / alone["state"] - 0.5) < 0.01, (share, alone)
+
+
+@pytest.mark.slow
+def test_export_reads_a_sharded_checkpoint_and_resume_skips_one_missing_a_rank_s_file(runs, tmp_path):
+    run(cli("export", runs[2], "--out", tmp_path / "hf"))  # the newest: step 6, read from its shards
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    mine = weights(runs[2] / "checkpoints" / "step_000006")
+    for name in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight"):  # HF's names too
+        rows = exported[name].shape[0]  # the export drops the padded vocabulary rows
+        assert torch.equal(exported[name].float(), mine[name][:rows].float()), name
+    copy = tmp_path / "run"
+    shutil.copytree(runs[2], copy)
+    (copy / "checkpoints" / "step_000006" / "shards" / "__1_0.distcp").unlink()  # a rank's write never landed
+    problem = checkpoint_problem(copy / "checkpoints" / "step_000006", for_training=True)
+    assert problem == "shards/__1_0.distcp, one process's shards, is missing"
+    with pytest.warns(UserWarning, match="step_000006: damaged checkpoint .*__1_0.distcp.*falling back"):
+        assert resolve_checkpoint(copy, for_training=True).name == "step_000003"

@@ -72,7 +72,7 @@ class Checkpointer:
         s = self.setup
         check_resume_tokenizer(ckpt, self.tokenizer, self.folders[0])  # before the shapes could mismatch
         before = config_from_dict(read_meta(ckpt)["config"])
-        misfit = weights_misfit(s.model, ckpt / "model.safetensors")
+        misfit = weights_misfit(s.model, ckpt)
         changes = config_changes(before, self.cfg, misfit)  # refuses a new structure before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
         if meta.get("data", self.data) != self.data:

@@ -29,7 +29,7 @@ from gptforge.runtime import dtype_name
 from gptforge.runtime.device import DTYPES, physical_memory, resolve_dtype, setup_fast_math
 from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
-from gptforge.runtime.fsdp import is_sharded, shard, whole_state
+from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
 from gptforge.train.optim import build_optimizer, lr_at
 
@@ -197,7 +197,7 @@ class TrainSetup:
         if not is_sharded(self.model):
             yield self.model
             return
-        weights, _ = whole_state(self.model, None, rank0_only=False)
+        weights = whole_weights(self.model)
         copy = quiet_model(self.model.config).to(self.device)
         copy.load_state_dict(weights)
         copy.train(self.model.training)
@@ -247,6 +247,7 @@ def run_header(cfg: Config, s: TrainSetup, tokenizer_name: str, world: int) -> s
         f"model: {s.model.num_params():,} parameters, {s.model.flops_per_token(T) / 1e6:,.0f} MFLOP/token, "
         f"{cfg.model.n_layer} layers, {cfg.model.n_embd} wide, context {T}, vocab {cfg.model.vocab_size} "
         f"({tokenizer_name}) | {world} x {s.device} {dtype_name(s.dtype)}{' compiled' if cfg.train.compile else ''}"
+        f"{' fsdp' if is_sharded(s.model) else ''}"
         f"{threads}\n"
         f"batch: {cfg.train.batch_tokens:,} tokens/step = {B} seq x {T} tokens x "
         f"{world} process{'es' if world > 1 else ''} x {s.grad_accum} accumulation | "
