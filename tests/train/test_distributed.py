@@ -244,8 +244,9 @@ def children(pid):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
-def test_torchrun_restarts_a_job_whose_worker_died_and_it_goes_on_from_its_checkpoint(data_dir, tmp_path):
-    settings = ("train.max_steps=80", "checkpoint.every=8", "eval.every=0")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_restarts_a_job_whose_worker_died_and_it_goes_on_from_its_checkpoint(data_dir, tmp_path, parallel):
+    settings = ("train.max_steps=80", "checkpoint.every=8", "eval.every=0", f"train.parallel={parallel}")
     launcher = ["--standalone", "--nproc-per-node", "2"]
     calm = subprocess.run(
         torchrun(launcher, data_dir, tmp_path / "calm", *settings), capture_output=True, text=True, env=ENV,
