@@ -59,29 +59,70 @@ def save_checkpoint(
     env: DistEnv = SINGLE,
 ) -> Path:
     """Write RUN_DIR/checkpoints/step_NNNNNN atomically (every rank calls this) and return it."""
+    saving = begin_checkpoint(run_dir, step, model, optimizer, cfg, tokenizer, extra=extra, env=env)
+    return end_checkpoint(saving, env)
+
+
+@dataclass
+class Saving:
+    """A checkpoint being written into `tmp`, renamed to `final` by `end_checkpoint` once complete."""
+
+    final: Path
+    tmp: Path
+    writes: Any = None
+    """The shards still being written in the background (torch's future), or None."""
+
+
+def begin_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: GPT,
+    optimizer: torch.optim.Optimizer | None,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    *,
+    extra: dict[str, Any] | None = None,
+    env: DistEnv = SINGLE,
+    background: Any = None,
+) -> Saving:
+    """Start writing checkpoint `step` (every rank calls this); under FSDP with a `background` process group the
+    shards are staged in memory and written on a thread, so training goes on meanwhile."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = temp_dir_path(final)
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
-    sharded = is_sharded(model)  # FSDP: every process writes its own shards, no gathering
-    optimizer_state = optimizer.state_dict() if optimizer is not None and env.is_main and not sharded else None
+    spread = is_sharded(model)  # FSDP: every process writes its own shards, no gathering
+    optimizer_state = optimizer.state_dict() if optimizer is not None and env.is_main and not spread else None
+    writes = None
     try:
         with writing(final):
             if env.is_main:
                 meta = {"step": step, **(extra or {})}
-                _write_files(temp_dir_for(final), None if sharded else model, optimizer_state, cfg, tokenizer, meta)
+                _write_files(temp_dir_for(final), None if spread else model, optimizer_state, cfg, tokenizer, meta)
             barrier(env)
-            if sharded:
-                save_shards(model, optimizer, tmp / SHARDS)
+            if spread:
+                writes = save_shards(model, optimizer, tmp / SHARDS, background)
             torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
     except GptforgeError:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back; the previous checkpoint stands
         raise
+    return Saving(final, tmp, writes)
+
+
+def end_checkpoint(saving: Saving, env: DistEnv = SINGLE) -> Path:
+    """Wait for the background writes if any, then put the complete checkpoint in place (every rank calls this)."""
+    try:
+        with writing(saving.final):
+            if saving.writes is not None:
+                saving.writes.result()
+    except GptforgeError:
+        shutil.rmtree(saving.tmp, ignore_errors=True)
+        raise
     barrier(env)
     if env.is_main:
-        swap_dir(tmp, final)
+        swap_dir(saving.tmp, saving.final)
     barrier(env)
-    return final
+    return saving.final
 
 
 def write_checkpoint(

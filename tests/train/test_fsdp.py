@@ -187,3 +187,20 @@ def test_export_reads_a_sharded_checkpoint_and_resume_skips_one_missing_a_rank_s
     assert problem == "shards/__1_0.distcp, one process's shards, is missing"
     with pytest.warns(UserWarning, match="step_000006: damaged checkpoint .*__1_0.distcp.*falling back"):
         assert resolve_checkpoint(copy, for_training=True).name == "step_000003"
+
+
+@pytest.mark.slow
+def test_async_saving_trains_the_same_run_and_each_checkpoint_lands_whole(data_dir, tmp_path):
+    """checkpoint.async_save writes the shards on a thread: the same losses and checkpoints, each put in place
+    (and pruned) by the next save, and a resume from one equals the run."""
+    settings = ("checkpoint.every=2", "checkpoint.keep_last=2", "eval.every=0", "train.max_steps=6")
+    fsdp(data_dir, tmp_path / "sync", 2, *settings)
+    fsdp(data_dir, tmp_path / "async", 2, *settings, "checkpoint.async_save=true")
+    assert losses(tmp_path / "sync") == losses(tmp_path / "async")
+    kept = [p.name for p in sorted((tmp_path / "async" / "checkpoints").iterdir())]
+    assert kept == ["step_000004", "step_000006"]  # nothing half-written or left hidden
+    for step in ("step_000004", "step_000006"):
+        ckpt = tmp_path / "async" / "checkpoints" / step
+        assert checkpoint_problem(ckpt, for_training=True) is None
+        same = weights(tmp_path / "sync" / "checkpoints" / step)
+        assert all(torch.equal(x, same[name]) for name, x in weights(ckpt).items())

@@ -136,6 +136,9 @@ class CheckpointConfig:
     """Git repository (e.g. a Hugging Face model repo) that gets each checkpoint, exported, as a commit."""
     push_branch: str = ""
     """Branch for `push` (default: the run folder's name): one branch per run."""
+    async_save: bool = False
+    """fsdp: write the periodic checkpoints' shards on a thread while training goes on (each is put in place once
+    written, at the latest by the next save); the last one, and one on a stop signal, are written before exiting."""
 
 
 @dataclass

@@ -134,11 +134,16 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {MODEL: get_model_state_dict(model), OPTIMIZER: get_optimizer_state_dict(model, optimizer)}
 
 
-def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Each process writes its shards of the weights and optimizer state into `folder` (rank 0 the index too)."""
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, background: Any = None) -> Any:
+    """Each process writes its shards of the weights and optimizer state into `folder` (rank 0 the index too). With
+    a `background` process group (gloo: its own, so the writes never interleave with training's collectives) the
+    state is copied to memory and written on a thread: returns the future to wait on (else None, written)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_state(model, optimizer), checkpoint_id=folder)
+    if background is None:
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=folder)
+        return None
+    return dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=folder, process_group=background)
 
 
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

@@ -6,14 +6,18 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 from gptforge.checkpoint import (
+    Saving,
+    begin_checkpoint,
     checkpoint_problem,
     checkpoints,
+    end_checkpoint,
     prune_checkpoints,
     read_meta,
     resolve_checkpoint,
     restore_training_state,
-    save_checkpoint,
     step_of,
     weights_misfit,
 )
@@ -22,6 +26,7 @@ from gptforge.data.prefetch import Prefetcher
 from gptforge.errors import GptforgeError
 from gptforge.hub.publish import export_and_push
 from gptforge.runtime.distributed import DistEnv, print0
+from gptforge.runtime.fsdp import is_sharded
 from gptforge.train.setup import Data, TrainSetup, check_resume_tokenizer
 from gptforge.train.state import TrainState
 
@@ -34,28 +39,45 @@ class Checkpointer:
         self.last_good: Path | None = None
         """The newest checkpoint this run saved or resumed from."""
         self.seconds = 0.0
-        """What the last save took."""
+        """What the last save took (of the training's time: a background write's own time is not counted)."""
+        self.pending: tuple[Saving, bool] | None = None
+        """A checkpoint being written in the background, and whether it may become `last_good`."""
+        self.background = None
+        if cfg.checkpoint.async_save and is_sharded(setup.model):  # every rank builds this at once
+            self.background = torch.distributed.new_group(backend="gloo")  # the writes' own collectives
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.checkpoint.every) and step % self.cfg.checkpoint.every == 0
 
-    def save(self, state: TrainState, batches: Prefetcher) -> Path:
+    def save(self, state: TrainState, batches: Prefetcher, background: bool = False) -> Path:
         """Weights, optimizer, counters, data position (after the last batch trained on), scaler, RNG; then
-        prune old checkpoints and push an export when the config asks."""
-        s, ckpt, t0 = self.setup, self.cfg.checkpoint, time.perf_counter()
+        prune old checkpoints and push an export when the config asks. With `background` (and async_save under
+        fsdp) the shards are written on a thread and all that follows waits for `settle`."""
+        s, t0 = self.setup, time.perf_counter()
+        self.settle()
         extra = {**state.state_dict(), "loader": batches.state_dict(), "scaler": s.scaler.state_dict()}
         extra["data"] = self.data
-        path = save_checkpoint(
-            self.run_dir, state.step, s.model, s.optimizer, self.cfg, self.tokenizer, extra, self.env
-        )
-        if not state.skipped_in_row:  # weights saved in the middle of a run of skipped steps are suspect
-            self.last_good = path
+        saving = begin_checkpoint(
+            self.run_dir, state.step, s.model, s.optimizer, self.cfg, self.tokenizer,
+            extra=extra, env=self.env, background=self.background if background else None,
+        )  # fmt: skip
+        self.pending = (saving, not state.skipped_in_row)  # weights saved amid skipped steps are suspect
+        if saving.writes is None:
+            self.settle()
+        self.seconds = time.perf_counter() - t0
+        return saving.final
+
+    def settle(self) -> None:
+        """Put a checkpoint written in the background in place (waiting for its writes), prune, push."""
+        if self.pending is None:
+            return
+        (saving, good), self.pending, ckpt = self.pending, None, self.cfg.checkpoint
+        path = end_checkpoint(saving, self.env)
+        self.last_good = path if good else self.last_good
         if self.env.is_main and ckpt.keep_last:
             prune_checkpoints(self.run_dir, ckpt.keep_last, ckpt.milestone_every)
         if ckpt.push:
-            self._push(state.step)
-        self.seconds = time.perf_counter() - t0
-        return path
+            self._push(step_of(path))
 
     def _push(self, step: int) -> None:
         """An export of the weights to checkpoint.push's branch (rank 0; every process gathers them under fsdp)."""

@@ -136,7 +136,7 @@ def _train(
             last_val = evaluate(state.step)
             budget.evaluated(evaluate.seconds)
         if state.step < state.max_steps and checkpointer.due(state.step):
-            checkpointer.save(state, batches)
+            checkpointer.save(state, batches, background=True)
             budget.saved(checkpointer.seconds)
         # Every rank must leave the loop at the same step.
         why = budget.stop_vote(stop, state.seconds)
