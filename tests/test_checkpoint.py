@@ -67,9 +67,9 @@ def test_checkpoint_holds_rng_state(tmp_path):
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
     data_dir, tmp_path, monkeypatch, capsys, library
 ):
-    import gptforge.checkpoint
+    import gptforge.checkpoint.save
 
-    real_save, saves = gptforge.checkpoint.save_model, []
+    real_save, saves = gptforge.checkpoint.save.save_model, []
 
     def fills_the_disk(model, path):
         saves.append(path)
@@ -81,7 +81,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
             raise OSError(errno.ENOSPC, "No space left on device", path)
         real_save(model, path)
 
-    monkeypatch.setattr(gptforge.checkpoint, "save_model", fills_the_disk)
+    monkeypatch.setattr(gptforge.checkpoint.save, "save_model", fills_the_disk)
     run = tmp_path / "run"
     args = ["train", "--config", "tiny", "--data", str(data_dir), "--out", str(run), "--set", "train.max_steps=4"]
     assert main([*args, "--set", "checkpoint.every=2", "--set", "eval.every=0"]) == 1

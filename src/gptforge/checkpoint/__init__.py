@@ -8,9 +8,7 @@ own RNG state (for multi-node runs the run folder must be on a shared filesystem
 from __future__ import annotations
 
 import json
-import random
 import re
-import shutil
 import struct
 import warnings
 import zipfile
@@ -18,125 +16,64 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model
 
-from gptforge.config import Config, config_from_dict, to_dict
+from gptforge.checkpoint.layout import META, SHARDS, checkpoints, latest_checkpoint, read_meta, sharded, step_of
+from gptforge.checkpoint.save import (
+    Saving,
+    begin_checkpoint,
+    end_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+    write_checkpoint,
+)
+from gptforge.config import Config, config_from_dict
 from gptforge.data.fim import with_fim
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, usual_mode, write_json, writing
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime.device import resolve_device, resolve_dtype
-from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
+from gptforge.runtime.distributed import SINGLE, DistEnv
 from gptforge.runtime.fsdp import (
     is_sharded,
     load_shard_weights,
     load_shards,
     load_whole_state,
     optimizer_names,
-    save_shards,
     shard_shapes,
     shards_problem,
     state_by_index,
     state_by_name,
 )
 
-META = "meta.json"
-SHARDS = "shards"  # an fsdp run's weights and optimizer state, one file per process (torch.distributed.checkpoint)
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model: GPT,
-    optimizer: torch.optim.Optimizer | None,
-    cfg: Config,
-    tokenizer: Tokenizer,
-    extra: dict[str, Any] | None = None,
-    env: DistEnv = SINGLE,
-) -> Path:
-    """Write RUN_DIR/checkpoints/step_NNNNNN atomically (every rank calls this) and return it."""
-    saving = begin_checkpoint(run_dir, step, model, optimizer, cfg, tokenizer, extra=extra, env=env)
-    return end_checkpoint(saving, env)
-
-
-@dataclass
-class Saving:
-    """A checkpoint being written into `tmp`, renamed to `final` by `end_checkpoint` once complete."""
-
-    final: Path
-    tmp: Path
-    writes: Any = None
-    """The shards still being written in the background (torch's future), or None."""
-
-
-def begin_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model: GPT,
-    optimizer: torch.optim.Optimizer | None,
-    cfg: Config,
-    tokenizer: Tokenizer,
-    *,
-    extra: dict[str, Any] | None = None,
-    env: DistEnv = SINGLE,
-    background: Any = None,
-) -> Saving:
-    """Start writing checkpoint `step` (every rank calls this); under FSDP with a `background` process group the
-    shards are staged in memory and written on a thread, so training goes on meanwhile."""
-    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-    tmp = temp_dir_path(final)
-    if hasattr(optimizer, "consolidate_state_dict"):
-        optimizer.consolidate_state_dict(to=0)  # a sharded (ZeRO) optimizer gathers its state on rank 0
-    spread = is_sharded(model)  # FSDP: every process writes its own shards, no gathering
-    optimizer_state = optimizer.state_dict() if optimizer is not None and env.is_main and not spread else None
-    writes = None
-    try:
-        with writing(final):
-            if env.is_main:
-                meta = {"step": step, **(extra or {})}
-                _write_files(temp_dir_for(final), None if spread else model, optimizer_state, cfg, tokenizer, meta)
-            barrier(env)
-            if spread:
-                writes = save_shards(model, optimizer, tmp / SHARDS, background)
-            torch.save(rng_state(), tmp / f"rng_rank{env.rank}.pt")
-    except GptforgeError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back; the previous checkpoint stands
-        raise
-    return Saving(final, tmp, writes)
-
-
-def end_checkpoint(saving: Saving, env: DistEnv = SINGLE) -> Path:
-    """Wait for the background writes if any, then put the complete checkpoint in place (every rank calls this)."""
-    try:
-        with writing(saving.final):
-            if saving.writes is not None:
-                saving.writes.result()
-    except GptforgeError:
-        shutil.rmtree(saving.tmp, ignore_errors=True)
-        raise
-    barrier(env)
-    if env.is_main:
-        swap_dir(saving.tmp, saving.final)
-    barrier(env)
-    return saving.final
-
-
-def write_checkpoint(
-    final: Path,
-    model: GPT,
-    optimizer: torch.optim.Optimizer | None,
-    cfg: Config,
-    tokenizer: Tokenizer,
-    meta: dict[str, Any],
-) -> Path:
-    """Write a complete single-process checkpoint (e.g. an import) into `final`, atomically."""
-    with building_dir(final) as tmp:
-        _write_files(tmp, model, optimizer.state_dict() if optimizer else None, cfg, tokenizer, meta)
-    return final
+# The package's face: reading here, writing in save.py, the folder layout in layout.py.
+__all__ = [
+    "META",
+    "SHARDS",
+    "Inference",
+    "Saving",
+    "begin_checkpoint",
+    "checkpoint_problem",
+    "checkpoints",
+    "end_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_for_inference",
+    "prune_checkpoints",
+    "quiet_model",
+    "read_meta",
+    "resolve_checkpoint",
+    "restore_training_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "sharded",
+    "step_of",
+    "weights_misfit",
+    "write_checkpoint",
+]
 
 
 def quiet_model(config: GPTConfig) -> GPT:
@@ -144,73 +81,6 @@ def quiet_model(config: GPTConfig) -> GPT:
     gathered weights to evaluate, a checkpoint's to resume from) must leave the run's dropout stream as it was."""
     with torch.random.fork_rng(devices=[]):
         return GPT(config)
-
-
-def _write_files(
-    tmp: Path, model: GPT | None, optimizer_state: dict | None, cfg: Config, tokenizer: Tokenizer, meta: dict
-) -> None:
-    """The files of a checkpoint (the weights unless sharded), into a fresh folder that `swap_dir` puts in place."""
-    if model is not None:
-        save_model(model, str(tmp / "model.safetensors"))  # de-duplicates the tied embedding
-        usual_mode(tmp / "model.safetensors")
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-    if tokenizer.path is not None:
-        shutil.copyfile(tokenizer.path, tmp / tokenizer.name)  # checkpoints are self-contained
-    write_json(tmp / META, {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name})
-
-
-def prune_checkpoints(run_dir: str | Path, keep_last: int, milestone_every: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints, sparing steps that are multiples of milestone_every."""
-    if keep_last < 1:
-        raise GptforgeError(f"checkpoint.keep_last={keep_last}: pruning keeps at least the newest checkpoint")
-    ckpts = checkpoints(run_dir)
-    doomed = [
-        p
-        for p in ckpts[: max(0, len(ckpts) - keep_last)]
-        if not (milestone_every and step_of(p) % milestone_every == 0)
-    ]
-    for p in doomed:
-        shutil.rmtree(p)
-    return doomed
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from (dropout uses torch's), in a weights_only-loadable form."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def step_of(ckpt: Path) -> int:
-    """The step in a checkpoint folder's name (step_NNNNNN; more digits past step 999,999), or -1."""
-    digits = ckpt.name[len("step_") :]
-    return int(digits) if ckpt.name.startswith("step_") and digits.isdigit() else -1
-
-
-def checkpoints(run_dir: str | Path) -> list[Path]:
-    """A run's complete checkpoints, oldest first by step number (names sort wrongly past step 999,999)."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if step_of(p) >= 0 and (p / META).is_file()]
-    return sorted(found, key=step_of)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    ckpts = checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
 
 
 def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
@@ -297,16 +167,6 @@ def load_checkpoint(
     _load_weights(model, ckpt, device)
     tokenizer = with_fim(load_tokenizer(meta["tokenizer"], ckpt), cfg.data.fim_rate)
     return model.to(device).eval(), tokenizer, cfg, meta
-
-
-def read_meta(ckpt: Path) -> dict[str, Any]:
-    """meta.json of a checkpoint that `resolve_checkpoint` found intact."""
-    return json.loads((ckpt / META).read_text(encoding="utf-8"))
-
-
-def sharded(ckpt: Path) -> bool:
-    """Whether checkpoint `ckpt` holds its weights and optimizer as shards (an fsdp run's) rather than whole."""
-    return (ckpt / SHARDS).is_dir()
 
 
 def _saved_shapes(ckpt: Path) -> dict[str, list[int]] | None:
