@@ -277,6 +277,19 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_bench)
 
+    s = sub.add_parser(
+        "plan", help="memory per GPU under ddp, zero and fsdp, the largest micro-batch, time and GPU-hours"
+    )
+    s.add_argument("--config", default="gpt2-124m", help="preset name or .toml path (default: gpt2-124m)")
+    _add_set_flag(s)
+    s.add_argument("--gpus", type=_at_least(1), default=1, help="GPUs per node (default 1)")
+    s.add_argument("--nodes", type=_at_least(1), default=1, help="nodes (default 1)")
+    s.add_argument("--gpu-memory", type=_at_least(1.0, float), default=80.0, help="GiB per GPU (default 80)")
+    s.add_argument("--peak-tflops", type=_at_least(1.0, float), default=989.4, help="one GPU's peak (H100 bf16)")
+    s.add_argument("--mfu", type=_at_least(0.01, float), default=0.38, help="share of the peak reached (default 0.38)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=commands.cmd_plan)
+
     s = sub.add_parser("report", help="markdown summary of a run (printed and written to RUN_DIR/report.md)")
     s.add_argument("run_dir")
     s.set_defaults(func=commands.cmd_report)

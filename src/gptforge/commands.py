@@ -154,6 +154,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(to_json(r) if args.json else format_bench(r, args.config))
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from gptforge.config import load_config
+    from gptforge.errors import GptforgeError
+    from gptforge.train.plan import Hardware, format_report, report
+
+    if args.mfu > 1:
+        raise GptforgeError(f"--mfu {args.mfu}: a share of the peak, at most 1")
+    cfg = load_config(args.config, args.set)
+    hardware = Hardware(args.gpus, args.nodes, args.gpu_memory, args.peak_tflops, args.mfu)
+    r = report(cfg, args.config, hardware)
+    print(to_json(r) if args.json else format_report(r))
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from gptforge.report.plot import plot_runs
 

@@ -74,6 +74,13 @@ class GPTConfig:
             return self.mlp_hidden
         return -(-8 * self.n_embd // 192) * 64 if self.mlp == "swiglu" else 4 * self.n_embd
 
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward): 6 per matmul weight plus attention scores."""
+        T = seq_len or self.block_size
+        mlp = (3 if self.mlp == "swiglu" else 2) * self.n_embd * self.hidden_size
+        matmul_params = self.n_layer * (4 * self.n_embd**2 + mlp) + self.padded_vocab_size * self.n_embd
+        return 6 * matmul_params + 6 * self.n_layer * self.n_embd * T
+
     @property
     def num_weights(self) -> int:
         """Parameters a model of this config holds (padded vocabulary, tied weights once), without building it."""
@@ -272,11 +279,7 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6 per matmul weight plus attention scores."""
-        cfg = self.config
-        T = seq_len or cfg.block_size
-        mlp = (3 if cfg.mlp == "swiglu" else 2) * cfg.n_embd * cfg.hidden_size
-        matmul_params = cfg.n_layer * (4 * cfg.n_embd**2 + mlp) + cfg.padded_vocab_size * cfg.n_embd
-        return 6 * matmul_params + 6 * cfg.n_layer * cfg.n_embd * T
+        return self.config.flops_per_token(seq_len)
 
     def forward(
         self,

@@ -32,6 +32,7 @@ from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
 from gptforge.train.optim import build_optimizer, lr_at
+from gptforge.train.plan import GIB, check_fits
 
 
 @dataclass
@@ -216,6 +217,8 @@ def build(
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     grad_accum = grad_accumulation(cfg, env.world_size)
     check_model_fits(cfg.model)
+    if device.type == "cuda":  # refused now in one line, not by an out-of-memory error minutes later
+        check_fits(cfg, env.world_size, torch.cuda.get_device_properties(device).total_memory / GIB)
     model = GPT(cfg.model)
     if weights is not None:
         model.load_state_dict(weights)

@@ -1,0 +1,219 @@
+"""`gptforge plan`: the memory a training config needs on each GPU under ddp, ddp + zero and fsdp, the largest
+micro-batch that fits, and the time and GPU-hours its token budget takes at a stated MFU.
+
+An analytic model: parameters, gradients and optimizer state are counted exactly; activations are what each token
+keeps for backward in a compiled bf16 step with flash attention (counted per tensor below), times one factor
+measured on an H100 (gpt2-124m at 64 x 1024: 26.7 GiB; benchmarks/RESULTS.md) for what the allocator holds besides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gptforge.config import Config
+from gptforge.errors import GptforgeError
+from gptforge.model.fused_loss import CHUNK_LOGITS
+from gptforge.model.gpt import GPTConfig
+
+STRATEGIES = ("ddp", "zero", "fsdp")  # train.parallel=ddp, ddp with train.zero=true, train.parallel=fsdp
+GIB = 2**30
+# What the allocator holds besides the tensors counted (workspaces, fragmentation): gpt2-124m's measured 26.7 GiB.
+# Checked on the two other H100 figures: speedrun-124m 29.3 GiB (planned 29.5), model.fused_loss=false 29.6 (31.7).
+OVERHEAD = 1.11
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int = 1
+    """GPUs per node."""
+    nodes: int = 1
+    memory_gib: float = 80.0
+    """Memory of one GPU."""
+    peak_tflops: float = 989.4
+    """One GPU's dense peak in the run's precision (H100 SXM bf16)."""
+    mfu: float = 0.38
+    """The share of the peak the step reaches (gptforge measured 38.2% for gpt2-124m on an H100)."""
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one GPU."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    micro_batch: int
+    accumulation: int
+    memory: Memory
+    """At `micro_batch`, with the config's activation checkpointing."""
+    checkpointed: Memory
+    """The same with activation checkpointing on."""
+    largest_micro_batch: int
+    """The largest that fits and divides the step's batch (0: not even one sequence)."""
+    fits: bool
+
+
+def _layer_bytes(m: GPTConfig) -> float:
+    """Bytes one token keeps for backward in one block: the fp32 residual and bf16 tensors each op saves."""
+    h, H = m.n_embd, m.hidden_size
+    attention = 4 * h + 2 * h + 6 * h + 2 * h  # norm input (fp32), its output, q/k/v, attention output
+    if m.position == "rotary" or m.qk_norm:
+        attention += 4 * h  # q and k again, as rotated or normed
+    mlp_in = 4 * h + 2 * h
+    inner = 3 * 2 * H if m.mlp == "swiglu" else 2 * 2 * H  # gate, up and their product; or fc output and activation
+    return attention + mlp_in + inner
+
+
+def _activations(cfg: Config, micro_batch: int, checkpointed: bool) -> float:
+    """Activation bytes for one micro-batch, on one GPU."""
+    m, tokens = cfg.model, micro_batch * cfg.model.block_size
+    scale = 2 if cfg.train.dtype == "float32" else 1  # the bf16 tensors counted above are fp32 then
+    layer = _layer_bytes(m) * scale
+    layers = m.n_layer * 4 * m.n_embd + layer if checkpointed else m.n_layer * layer  # inputs, one block recomputed
+    edges = 4 * m.n_embd + 6 * m.n_embd  # the embedding's output; the final norm's input and output
+    if m.fused_loss:
+        head = 4 * m.n_embd * tokens + 6 * min(CHUNK_LOGITS, tokens * m.padded_vocab_size)  # grad of h; one chunk
+    else:
+        head = 2 * tokens * m.padded_vocab_size  # the bf16 logits
+    return OVERHEAD * ((layers + edges) * tokens + head)
+
+
+def _matrices(m: GPTConfig) -> int:
+    """The blocks' 2-D weights (what Muon takes)."""
+    return m.n_layer * (4 * m.n_embd**2 + (3 if m.mlp == "swiglu" else 2) * m.n_embd * m.hidden_size)
+
+
+def _state(cfg: Config, strategy: str, world: int, accumulation: int) -> tuple[float, float, float]:
+    """Bytes of parameters, gradients and optimizer state on one GPU."""
+    m, P = cfg.model, cfg.model.num_weights
+    optimizer = 8 * P if cfg.optim.optimizer == "adamw" else 4 * _matrices(m) + 8 * (P - _matrices(m))
+    if strategy == "fsdp" and world > 1:
+        compute = 4 if cfg.train.dtype == "float32" else 2
+        block = (P - _root(m)) / m.n_layer
+        gathered = compute * (_root(m) + 2 * block)  # the root for the whole step, a block and the next one
+        unsynced = compute * P if accumulation > 1 else 0  # micro-steps accumulate unsharded gradients
+        return 4 * P / world + gathered, 4 * P / world + unsynced, optimizer / world
+    buckets = 4 * P if world > 1 else 0  # DDP's gradient buckets beside the gradients
+    return 4 * P, 4 * P + buckets, optimizer / world if strategy == "zero" and world > 1 else optimizer
+
+
+def _root(m: GPTConfig) -> int:
+    """Weights outside the blocks: embeddings, positions, head, final norm (FSDP's root unit)."""
+    tables = (1 if m.tie_embeddings else 2) * m.padded_vocab_size * m.n_embd
+    return tables + (m.block_size * m.n_embd if m.position == "learned" else 0) + 2 * m.n_embd
+
+
+def memory(cfg: Config, strategy: str, world: int, micro_batch: int, checkpointed: bool) -> Memory:
+    """Bytes on one GPU for a step at `micro_batch` sequences per micro-step."""
+    accumulation = max(1, cfg.train.batch_tokens // (micro_batch * cfg.model.block_size * world))
+    params, grads, optimizer = _state(cfg, strategy, world, accumulation)
+    return Memory(params, grads, optimizer, _activations(cfg, micro_batch, checkpointed))
+
+
+def plan(cfg: Config, strategy: str, hardware: Hardware) -> Plan:
+    """What `strategy` needs on `hardware` for `cfg`, and the largest micro-batch that fits its memory."""
+    world, T, budget = hardware.world, cfg.model.block_size, hardware.memory_gib * GIB
+    checkpointed = cfg.model.activation_checkpointing
+    most = cfg.train.batch_tokens // (T * world)
+    sizes = [b for b in range(1, most + 1) if cfg.train.batch_tokens % (b * T * world) == 0]
+    largest = max((b for b in sizes if memory(cfg, strategy, world, b, checkpointed).total <= budget), default=0)
+    B = cfg.train.micro_batch
+    mem = memory(cfg, strategy, world, B, checkpointed)
+    return Plan(
+        strategy=strategy,
+        micro_batch=B,
+        accumulation=max(1, cfg.train.batch_tokens // (B * T * world)),
+        memory=mem,
+        checkpointed=memory(cfg, strategy, world, B, True),
+        largest_micro_batch=largest,
+        fits=mem.total <= budget,
+    )
+
+
+def hours(cfg: Config, hardware: Hardware) -> tuple[float, float]:
+    """(wall-clock hours, GPU-hours) for the config's token budget at the hardware's MFU."""
+    tokens = cfg.train.max_steps * cfg.train.batch_tokens
+    seconds = cfg.model.flops_per_token() * tokens / (hardware.world * hardware.peak_tflops * 1e12 * hardware.mfu)
+    return seconds / 3600, seconds * hardware.world / 3600
+
+
+def strategy_of(cfg: Config) -> str:
+    return "fsdp" if cfg.train.parallel == "fsdp" else "zero" if cfg.train.zero else "ddp"
+
+
+# The plan's accuracy against measured peaks (within 15%): `train` refuses only what exceeds the memory by more.
+TOLERANCE = 1.15
+
+
+def check_fits(cfg: Config, processes: int, memory_gib: float) -> None:
+    """Refuse, in one line, a run whose plan exceeds each GPU's `memory_gib` by more than the plan's tolerance."""
+    p = plan(cfg, strategy_of(cfg), Hardware(gpus=processes, memory_gib=memory_gib))
+    need = p.memory.total / GIB
+    if need <= memory_gib * TOLERANCE:
+        return
+    hint = f"train.micro_batch={p.largest_micro_batch} fits" if p.largest_micro_batch else "no micro-batch fits"
+    if not p.largest_micro_batch and not cfg.model.activation_checkpointing:
+        hint += f" (with model.activation_checkpointing=true it needs {p.checkpointed.total / GIB:,.1f} GiB)"
+    raise GptforgeError(
+        f"train.micro_batch={cfg.train.micro_batch}: the plan needs {need:,.1f} GiB on each GPU, which has "
+        f"{memory_gib:,.1f} GiB; {hint} (`gptforge plan` lists the options: ddp, zero, fsdp, more GPUs)"
+    )
+
+
+def report(cfg: Config, name: str, hardware: Hardware) -> dict:
+    """What `gptforge plan` prints, as data: the config, the hardware, each strategy's plan and the time."""
+    wall, gpu_hours = hours(cfg, hardware)
+    return {
+        "config": name,
+        "parameters": cfg.model.num_weights,
+        "block_size": cfg.model.block_size,
+        "batch_tokens": cfg.train.batch_tokens,
+        "tokens": cfg.train.max_steps * cfg.train.batch_tokens,
+        "hardware": dataclasses.asdict(hardware),
+        "plans": [
+            {**dataclasses.asdict(p), "total_gib": p.memory.total / GIB, "checkpointed_gib": p.checkpointed.total / GIB}
+            for p in (plan(cfg, s, hardware) for s in STRATEGIES)
+        ],
+        "hours": wall,
+        "gpu_hours": gpu_hours,
+    }
+
+
+def format_report(r: dict) -> str:
+    """The report as a table, GiB per GPU."""
+    hw = r["hardware"]
+    lines = [
+        f"{r['config']}: {r['parameters']:,} parameters, context {r['block_size']}, {r['batch_tokens']:,} tokens a "
+        f"step, {r['tokens']:,} tokens",
+        f"on {hw['nodes']} node(s) x {hw['gpus']} GPU(s) of {hw['memory_gib']:g} GiB (GiB per GPU below)",
+        f"{'':6}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'total':>8}{'ckpt':>8}  micro-batch  largest  accum",
+    ]
+    for p in r["plans"]:
+        m = p["memory"]
+        cells = "".join(f"{m[k] / GIB:8.2f}" for k in ("params", "grads", "optimizer", "activations"))
+        verdict = "" if p["fits"] else "  does not fit"
+        lines.append(
+            f"{p['strategy']:6}{cells}{p['total_gib']:8.2f}{p['checkpointed_gib']:8.2f}  {p['micro_batch']:>11}  "
+            f"{p['largest_micro_batch']:>7}  {p['accumulation']:>5}{verdict}"
+        )
+    lines.append(
+        f"time: {r['hours']:,.1f} h ({r['gpu_hours']:,.1f} GPU-hours) at {hw['mfu']:.0%} MFU of "
+        f"{hw['peak_tflops']:g} TFLOP/s; ckpt = with model.activation_checkpointing=true; the plan is within 15% "
+        "of peaks measured on an H100"
+    )
+    return "\n".join(lines)
