@@ -15,6 +15,7 @@ from gptforge.checkpoint import checkpoint_problem, resolve_checkpoint
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
 from gptforge.runtime.fsdp import state_by_index, state_by_name
+from gptforge.serve.runs import Source
 
 MODERN = ["model.position=rotary", "model.norm=rmsnorm", "model.mlp=swiglu", "model.qk_norm=true",
           "model.tie_embeddings=false", "model.bias=false"]  # fmt: skip
@@ -187,6 +188,38 @@ def test_export_reads_a_sharded_checkpoint_and_resume_skips_one_missing_a_rank_s
     assert problem == "shards/__1_0.distcp, one process's shards, is missing"
     with pytest.warns(UserWarning, match="step_000006: damaged checkpoint .*__1_0.distcp.*falling back"):
         assert resolve_checkpoint(copy, for_training=True).name == "step_000003"
+    assert Source("run", copy, tmp_path).newest_checkpoint().name == "step_000003"  # what serve answers with
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_or_a_zero_resume_of_shards_is_one_line(runs, data_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs[2] / "checkpoints" / "step_000006", ckpt)
+    shard = ckpt / "shards" / "__1_0.distcp"
+    shard.write_bytes(b"\xff" * shard.stat().st_size)  # the same size: only reading it finds the damage
+    done = subprocess.run(cli("sample", ckpt, "--prompt", "def", "--max-new-tokens", "2"),
+                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith(f"gptforge sample: error: {ckpt / 'shards'}: does not fit")
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    middle = runs[2] / "checkpoints" / "step_000003"
+    zero = subprocess.run(
+        [*torchrun(["--standalone", "--nproc-per-node", "2"], data_dir, tmp_path / "zero", "train.zero=true"),
+         "--resume", str(middle)], capture_output=True, text=True, env=ENV, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert zero.returncode != 0 and "resumes under train.parallel=fsdp, or ddp without train.zero" in zero.stderr
+
+
+def test_a_process_s_failure_inside_distributed_checkpoint_is_its_own_error():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gptforge.runtime.fsdp import wait_writes
+
+    class Failed:
+        def result(self):
+            raise CheckpointException("save failed", {1: (OSError(28, "No space left on device"), None)})
+
+    with pytest.raises(OSError, match="No space left on device"):  # which `writing` turns into one line
+        wait_writes(Failed())
 
 
 @pytest.mark.slow

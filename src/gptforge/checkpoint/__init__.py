@@ -8,6 +8,7 @@ own RNG state (for multi-node runs the run folder must be on a shared filesystem
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import struct
 import warnings
@@ -220,7 +221,7 @@ def _load_weights(model: GPT, ckpt: Path, device: torch.device | str) -> None:
             load_shard_weights(model, source)
         else:
             load_model(model, str(source), device=str(device))
-    except (RuntimeError, OSError, ValueError) as e:  # a damaged file: the first informative line says how
+    except (RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:  # damaged: its first informative line
         raise GptforgeError(f"{source}: does not fit the model ({first_detail(e)})") from None
 
 
@@ -264,9 +265,14 @@ def _restore_shards(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer) ->
     misfit = weights_misfit(model, ckpt)
     if misfit:
         raise GptforgeError(f"{ckpt / SHARDS}: does not fit the model ({misfit})")
+    if hasattr(optimizer, "consolidate_state_dict"):
+        raise GptforgeError(
+            f"{ckpt / SHARDS}: a sharded checkpoint resumes under train.parallel=fsdp, or ddp without train.zero "
+            "(ZeRO's optimizer reads whole checkpoints only)"
+        )
     try:
         load_shards(model, optimizer, ckpt / SHARDS)
-    except Exception as e:  # noqa: BLE001 - DCP wraps each process's failure in its own exception type
+    except Exception as e:  # noqa: BLE001 - whatever a process's read failed with: one line naming the folder
         raise GptforgeError(f"{ckpt / SHARDS}: cannot restore ({first_detail(e)})") from None
 
 

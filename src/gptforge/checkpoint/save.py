@@ -23,6 +23,7 @@ from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
 from gptforge.runtime.fsdp import (
     is_sharded,
     save_shards,
+    wait_writes,
 )
 
 
@@ -92,7 +93,7 @@ def end_checkpoint(saving: Saving, env: DistEnv = SINGLE) -> Path:
     try:
         with writing(saving.final):
             if saving.writes is not None:
-                saving.writes.result()
+                wait_writes(saving.writes)
     except GptforgeError:
         shutil.rmtree(saving.tmp, ignore_errors=True)
         raise

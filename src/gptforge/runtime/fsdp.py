@@ -134,16 +134,41 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {MODEL: get_model_state_dict(model), OPTIMIZER: get_optimizer_state_dict(model, optimizer)}
 
 
+@contextlib.contextmanager
+def _own_errors() -> Iterator[None]:
+    """DCP reports a process's failure as a CheckpointException, a BaseException that `except Exception` misses:
+    raise the first failing process's own error instead (a full disk's OSError, a damaged file's)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # reading in one process is the point: DCP warns that no group is initialized
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            yield
+    except CheckpointException as e:
+        failure = next(iter(e.failures.values()), None)
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, Exception):
+            raise error from None
+        raise RuntimeError(str(e).strip().splitlines()[-1]) from None
+
+
+def wait_writes(writes: Any) -> None:
+    """Wait for a background save's writes; a failure raises the failing process's own error."""
+    with _own_errors():
+        writes.result()
+
+
 def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, background: Any = None) -> Any:
     """Each process writes its shards of the weights and optimizer state into `folder` (rank 0 the index too). With
     a `background` process group (gloo: its own, so the writes never interleave with training's collectives) the
     state is copied to memory and written on a thread: returns the future to wait on (else None, written)."""
     import torch.distributed.checkpoint as dcp
 
-    if background is None:
-        dcp.save(_sharded_state(model, optimizer), checkpoint_id=folder)
-        return None
-    return dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=folder, process_group=background)
+    with _own_errors():
+        if background is None:
+            dcp.save(_sharded_state(model, optimizer), checkpoint_id=folder)
+            return None
+        return dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=folder, process_group=background)
 
 
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -153,7 +178,8 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=folder)
+    with _own_errors():
+        dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state[MODEL])
     set_optimizer_state_dict(model, optimizer, state[OPTIMIZER])
 
@@ -162,8 +188,7 @@ def load_shard_weights(model: torch.nn.Module, folder: Path) -> None:
     """The weights alone from `folder` into a whole model (evaluation, sampling, export)."""
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():  # reading in one process is the point: DCP warns that no group is initialized
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    with _own_errors():
         dcp.load({MODEL: model.state_dict()}, checkpoint_id=folder)
 
 

@@ -54,7 +54,8 @@ class Source:
         return (ckpt for ckpt in reversed(found) if self._confined(ckpt))
 
     def newest_checkpoint(self) -> Path | None:
-        return next(self.checkpoints(), None)
+        """The newest intact one (what the model answers with), or None."""
+        return next((ckpt for ckpt in self.checkpoints() if checkpoint_problem(ckpt) is None), None)
 
     def intact_checkpoint(self) -> Path:
         """The newest checkpoint that can be loaded: a damaged newer one is skipped with a warning."""
