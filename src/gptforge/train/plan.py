@@ -68,28 +68,29 @@ class Plan:
     fits: bool
 
 
-def _layer_bytes(m: GPTConfig) -> float:
-    """Bytes one token keeps for backward in one block: the fp32 residual and bf16 tensors each op saves."""
+def _layer_bytes(m: GPTConfig, e: int) -> float:
+    """Bytes one token keeps for backward in one block: each norm's fp32 input (the residual stream) and the
+    `e`-byte tensors each op saves (2 in bf16 autocast, 4 in fp32)."""
     h, H = m.n_embd, m.hidden_size
-    attention = 4 * h + 2 * h + 6 * h + 2 * h  # norm input (fp32), its output, q/k/v, attention output
+    attention = 4 * h + e * (h + 3 * h + h)  # norm input, its output, q/k/v, attention output
     if m.position == "rotary" or m.qk_norm:
-        attention += 4 * h  # q and k again, as rotated or normed
-    mlp_in = 4 * h + 2 * h
-    inner = 3 * 2 * H if m.mlp == "swiglu" else 2 * 2 * H  # gate, up and their product; or fc output and activation
+        attention += e * 2 * h  # q and k again, as rotated or normed
+    mlp_in = 4 * h + e * h
+    inner = e * (3 * H if m.mlp == "swiglu" else 2 * H)  # gate, up and their product; or fc output and activation
     return attention + mlp_in + inner
 
 
 def _activations(cfg: Config, micro_batch: int, checkpointed: bool) -> float:
     """Activation bytes for one micro-batch, on one GPU."""
     m, tokens = cfg.model, micro_batch * cfg.model.block_size
-    scale = 2 if cfg.train.dtype == "float32" else 1  # the bf16 tensors counted above are fp32 then
-    layer = _layer_bytes(m) * scale
+    e = 4 if cfg.train.dtype == "float32" else 2
+    layer = _layer_bytes(m, e)
     layers = m.n_layer * 4 * m.n_embd + layer if checkpointed else m.n_layer * layer  # inputs, one block recomputed
-    edges = 4 * m.n_embd + 6 * m.n_embd  # the embedding's output; the final norm's input and output
+    edges = 4 * m.n_embd + (4 + e) * m.n_embd  # the embedding's output; the final norm's input and output
     if m.fused_loss:
-        head = 4 * m.n_embd * tokens + 6 * min(CHUNK_LOGITS, tokens * m.padded_vocab_size)  # grad of h; one chunk
+        head = 4 * m.n_embd * tokens + (4 + e) * min(CHUNK_LOGITS, tokens * m.padded_vocab_size)  # grad of h; a chunk
     else:
-        head = 2 * tokens * m.padded_vocab_size  # the bf16 logits
+        head = e * tokens * m.padded_vocab_size  # the logits
     return OVERHEAD * ((layers + edges) * tokens + head)
 
 
