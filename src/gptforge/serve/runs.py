@@ -54,8 +54,10 @@ class Source:
         return (ckpt for ckpt in reversed(found) if self._confined(ckpt))
 
     def newest_checkpoint(self) -> Path | None:
-        """The newest intact one (what the model answers with), or None."""
-        return next((ckpt for ckpt in self.checkpoints() if checkpoint_problem(ckpt) is None), None)
+        """The newest intact one (what the model answers with); with none intact the newest, whose damage a request
+        is then told of; None without checkpoints."""
+        intact = next((ckpt for ckpt in self.checkpoints() if checkpoint_problem(ckpt) is None), None)
+        return intact or next(self.checkpoints(), None)
 
     def intact_checkpoint(self) -> Path:
         """The newest checkpoint that can be loaded: a damaged newer one is skipped with a warning."""
