@@ -67,4 +67,3 @@ def test_the_plan_command_prints_a_table_or_json_and_refuses_bad_flags_in_one_li
     for bad in (["--gpus", "0"], ["--mfu", "2"], ["--set", "train.micro_batch=x"], ["--gpu-memory", "lots"]):
         done = subprocess.run(cli("plan", *bad), capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (bad, done.stderr)
-
