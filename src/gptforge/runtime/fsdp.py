@@ -81,16 +81,15 @@ def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_whole_state(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer,
     weights: dict[str, torch.Tensor],
-    state: dict[str, Any] | None,
+    state: dict[str, Any],
 ) -> None:
     """Scatter whole weights and optimizer state (held by every process) into the shards."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(model, weights, options=_whole())
-    if optimizer is not None and state is not None:
-        set_optimizer_state_dict(model, optimizer, state, options=_whole())
+    set_optimizer_state_dict(model, optimizer, state, options=_whole())
 
 
 def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

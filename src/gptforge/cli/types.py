@@ -1,0 +1,60 @@
+"""argparse's pieces shared by the subcommands: one-line errors and the types that check numbers."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `gptforge train: error: ... (see --help)`."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """--k 1,10 -> (1, 10)."""
+    try:
+        ks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if any(k <= 0 for k in ks):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return ks
+
+
+def at_least(low: float, kind: type = int):
+    """An argparse type: a finite number of `kind` that is >= low."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(
+                f"expected a{'n integer' if kind is int else ' number'} >= {low}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def seed_value(text: str) -> int:
+    """--seed: what torch.Generator.manual_seed takes."""
+    value = at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """--top-p: a mass in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
