@@ -1,4 +1,4 @@
-"""The README's picture of `gptforge serve`'s page, taken by the system's headless Chromium through Playwright.
+"""The guide's picture of `gptforge serve`'s page, taken by the system's headless Chromium through Playwright.
 
     python benchmarks/screenshot.py PATH [--out docs/serve.png] [--prompt TEXT] [--width 1280] [--height 1000]
 

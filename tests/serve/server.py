@@ -14,7 +14,7 @@ from tests.helpers import cli
 @contextlib.contextmanager
 def serving(path, *flags, log=None):
     """`gptforge serve PATH --port 0 --threads 1 FLAGS` in a subprocess; yields its base URL (http://127.0.0.1:PORT).
-    One thread: the tests' machine runs other work beside it (see --threads in the README)."""
+    One thread: the tests' machine runs other work beside it (see the guide's CPU performance note)."""
     with server_process(path, *flags, log=log) as (url, _):
         yield url
 

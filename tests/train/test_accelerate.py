@@ -1,4 +1,4 @@
-"""`accelerate launch -m gptforge train`: the README's CPU forms (--multi_gpu, and --cpu under mpirun) give 2 gloo
+"""`accelerate launch -m gptforge train`: the guide's CPU forms (--multi_gpu, and --cpu under mpirun) give 2 gloo
 ranks equal to 1 process with double accumulation, the plain launcher's lone process is refused when more were
 asked for, and --mixed_precision is honoured (an explicit --set train.dtype still wins)."""
 

@@ -1,5 +1,5 @@
 """DDP: 2 gloo processes equal 1 process with twice the accumulation, with and without ZeRO, and under two torchrun
-agents (the README's multi-node command); a stalled rank fails the job fast, and a stop signal does not wait on it."""
+agents (the guide's multi-node command); a stalled rank fails the job fast, and a stop signal does not wait on it."""
 
 import contextlib
 import datetime
@@ -136,7 +136,7 @@ def test_muon_with_two_gloo_processes_matches_one_process(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_two_torchrun_agents_match_two_processes_under_one_agent(data_dir, tmp_path, two_processes):
-    """The README's multi-node command with both "nodes" on this machine: one process per agent."""
+    """The guide's multi-node command with both "nodes" on this machine: one process per agent."""
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-agents"]
     agents = [
         subprocess.Popen(

@@ -1,8 +1,8 @@
-"""Checkpoints: RUN_DIR/checkpoints/step_NNNNNN/{model.safetensors, optimizer.pt, meta.json, rng_rankR.pt}.
+"""Checkpoints: RUN_DIR/checkpoints/step_NNNNNN/{model.safetensors, optimizer.pt | shards/, meta.json, rng_rankR.pt}.
 
 Written into a temporary folder and renamed into place, so a crash mid-write never leaves a partial
-checkpoint where `latest_checkpoint` would find it. Rank 0 writes the shared state; every rank adds its
-own RNG state (for multi-node runs the run folder must be on a shared filesystem).
+checkpoint where `latest_checkpoint` would find it. Rank 0 writes the shared state (an fsdp run: each rank its
+shards); every rank adds its own RNG state (for multi-node runs the run folder must be on a shared filesystem).
 """
 
 from __future__ import annotations
