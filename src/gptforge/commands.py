@@ -156,14 +156,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from gptforge.config import load_config
-    from gptforge.errors import GptforgeError
     from gptforge.train.plan import Hardware, format_report, report
 
-    if args.mfu > 1:
-        raise GptforgeError(f"--mfu {args.mfu}: a share of the peak, at most 1")
     cfg = load_config(args.config, args.set)
     hardware = Hardware(args.gpus, args.nodes, args.gpu_memory, args.peak_tflops, args.mfu)
-    r = report(cfg, args.config, hardware)
+    r = report(cfg, " ".join([args.config, *(f"--set {s}" for s in args.set)]), hardware)
     print(to_json(r) if args.json else format_report(r))
 
 

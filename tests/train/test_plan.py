@@ -58,12 +58,35 @@ def test_train_refuses_a_micro_batch_its_gpu_cannot_hold_in_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_fsdp_counts_fp32_accumulated_gradients_and_every_block_gathered_without_resharding():
+    cfg = load_config("gpt2-124m", ["train.micro_batch=16", "train.dtype=bfloat16"])  # accumulation 4 on 8 GPUs
+    P = cfg.model.num_weights
+    fsdp = memory(cfg, "fsdp", 8, 16, checkpointed=False)
+    assert fsdp.grads == 4 * P / 8 + 4 * P
+    kept = load_config(
+        "gpt2-124m", ["train.micro_batch=16", "train.dtype=bfloat16", "train.reshard_after_forward=false"]
+    )
+    assert memory(kept, "fsdp", 8, 16, checkpointed=False).params == pytest.approx(4 * P / 8 + 2 * P)
+
+
+def test_the_plan_refuses_a_step_train_would_refuse_and_marks_strategies_the_config_cannot_use():
+    for settings, gpus in ((["train.micro_batch=48"], 1), ([], 100_000)):
+        with pytest.raises(GptforgeError, match="must be a positive multiple of train.micro_batch"):
+            plan(load_config("gpt2-124m", settings), "ddp", Hardware(gpus=gpus))
+    muon = load_config("gpt2-124m", ["optim.optimizer=muon"])
+    refused = {s: plan(muon, s, Hardware(gpus=8)).refused for s in ("ddp", "zero", "fsdp")}
+    assert refused["ddp"] is None and "train.zero" in refused["zero"] and "train.parallel=fsdp" in refused["fsdp"]
+    huge = load_config("gpt2-124m", [f"train.batch_tokens={2**40}"])  # its divisors, not a scan of 2**30 sizes
+    assert plan(huge, "ddp", Hardware()).largest_micro_batch == 128
+
+
 def test_the_plan_command_prints_a_table_or_json_and_refuses_bad_flags_in_one_line():
     out = subprocess.run(cli("plan", "--gpus", "8", "--json"), capture_output=True, text=True, timeout=60)
     r = json.loads(out.stdout)
     assert [p["strategy"] for p in r["plans"]] == ["ddp", "zero", "fsdp"] and r["hardware"]["gpus"] == 8
     table = subprocess.run(cli("plan"), capture_output=True, text=True, timeout=60).stdout
     assert "ddp" in table and "GPU-hours" in table
-    for bad in (["--gpus", "0"], ["--mfu", "2"], ["--set", "train.micro_batch=x"], ["--gpu-memory", "lots"]):
+    bad_flags = (["--gpus", "0"], ["--mfu", "2"], ["--set", "train.micro_batch=x"], ["--gpu-memory", "lots"])
+    for bad in (*bad_flags, ["--nodes", "9" * 400], ["--set", f"train.max_steps={10**300}"]):
         done = subprocess.run(cli("plan", *bad), capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (bad, done.stderr)

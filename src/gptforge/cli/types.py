@@ -30,9 +30,10 @@ def at_least(low: float, kind: type = int):
     def parse(text: str) -> float:
         try:
             value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value < low:
+            finite = math.isfinite(value)
+        except (ValueError, OverflowError):  # OverflowError: an integer past a float's range
+            value, finite = None, False
+        if not finite or value < low:
             raise argparse.ArgumentTypeError(
                 f"expected a{'n integer' if kind is int else ' number'} >= {low}, got {text!r}"
             )

@@ -60,9 +60,9 @@ RULES: dict[str, tuple[Any, str]] = {
     "data.fim_rate": _within(0, 1, high_ok=True),
     "data.fim_spm_rate": _within(0, 1, high_ok=True),
     "train.micro_batch": _at_least(1),
-    "train.batch_tokens": _at_least(1),
+    "train.batch_tokens": _within(1, 2**48, high_ok=True),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),
-    "train.max_steps": _at_least(1),
+    "train.max_steps": _within(1, 2**53, high_ok=True),  # steps x tokens stay finite in a float (plan's hours)
     "train.time_budget": _at_least(0),
     "train.device": ((lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)), "auto, cpu, cuda, cuda:N or mps"),
     "train.dtype": _one_of("auto", *DTYPE_NAMES),

@@ -9,9 +9,11 @@ measured on an H100 (gpt2-124m at 64 x 1024: 26.7 GiB; benchmarks/RESULTS.md) fo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from gptforge.config import Config
+from gptforge.config.rules import validate
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPTConfig
 
@@ -65,6 +67,8 @@ class Plan:
     largest_micro_batch: int
     """The largest that fits and divides the step's batch (0: not even one sequence)."""
     fits: bool
+    refused: str | None
+    """Why `train` would refuse this strategy with the config (e.g. Muon under fsdp), or None."""
 
 
 def _layer_bytes(m: GPTConfig, e: int) -> float:
@@ -104,8 +108,10 @@ def _state(cfg: Config, strategy: str, world: int, accumulation: int) -> tuple[f
     if strategy == "fsdp" and world > 1:
         compute = 4 if cfg.train.dtype == "float32" else 2
         block = (P - _root(m)) / m.n_layer
-        gathered = compute * (_root(m) + 2 * block)  # the root for the whole step, a block and the next one
-        unsynced = compute * P if accumulation > 1 else 0  # micro-steps accumulate unsharded gradients
+        # The root for the whole step, a block and the next one; without resharding every block stays gathered
+        # from its forward to its backward.
+        gathered = compute * (_root(m) + 2 * block if cfg.train.reshard_after_forward else P)
+        unsynced = 4 * P if accumulation > 1 else 0  # micro-steps accumulate unsharded gradients in fp32 (reduce)
         return 4 * P / world + gathered, 4 * P / world + unsynced, optimizer / world
     buckets = 4 * P if world > 1 else 0  # DDP's gradient buckets beside the gradients
     return 4 * P, 4 * P + buckets, optimizer / world if strategy == "zero" and world > 1 else optimizer
@@ -124,29 +130,59 @@ def memory(cfg: Config, strategy: str, world: int, micro_batch: int, checkpointe
     return Memory(params, grads, optimizer, _activations(cfg, micro_batch, checkpointed))
 
 
+def grad_accumulation(cfg: Config, world: int) -> int:
+    """Micro-steps per optimizer step: what the processes' micro-batches leave of the global token batch."""
+    B, T = cfg.train.micro_batch, cfg.model.block_size
+    if B <= 0 or cfg.train.batch_tokens <= 0 or cfg.train.batch_tokens % (B * T * world):
+        raise GptforgeError(
+            f"train.batch_tokens={cfg.train.batch_tokens} must be a positive multiple of "
+            f"train.micro_batch x model.block_size x processes = {B} x {T} x {world}"
+        )
+    return cfg.train.batch_tokens // (B * T * world)
+
+
+def _divisors(n: int) -> list[int]:
+    """n's divisors, ascending, in about sqrt(n) steps (a step may hold 2**40 tokens)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _refusal(cfg: Config, strategy: str) -> str | None:
+    """Why the config cannot run under `strategy` (the rule `train` would apply), or None."""
+    parallel = "fsdp" if strategy == "fsdp" else "ddp"
+    train = dataclasses.replace(cfg.train, parallel=parallel, zero=strategy == "zero")
+    try:
+        validate(dataclasses.replace(cfg, train=train))
+    except GptforgeError as e:
+        return str(e)
+    return None
+
+
 def plan(cfg: Config, strategy: str, hardware: Hardware) -> Plan:
-    """What `strategy` needs on `hardware` for `cfg`, and the largest micro-batch that fits its memory."""
+    """What `strategy` needs on `hardware` for `cfg` (whose micro-batch divides the step: `grad_accumulation`), and
+    the largest micro-batch that fits its memory."""
     world, T, budget = hardware.world, cfg.model.block_size, hardware.memory_gib * GIB
+    accumulation = grad_accumulation(cfg, world)
     checkpointed = cfg.model.activation_checkpointing
-    most = cfg.train.batch_tokens // (T * world)
-    sizes = [b for b in range(1, most + 1) if cfg.train.batch_tokens % (b * T * world) == 0]
+    sizes = _divisors(cfg.train.batch_tokens // (T * world))
     largest = max((b for b in sizes if memory(cfg, strategy, world, b, checkpointed).total <= budget), default=0)
     B = cfg.train.micro_batch
     mem = memory(cfg, strategy, world, B, checkpointed)
     return Plan(
         strategy=strategy,
         micro_batch=B,
-        accumulation=max(1, cfg.train.batch_tokens // (B * T * world)),
+        accumulation=accumulation,
         memory=mem,
         checkpointed=memory(cfg, strategy, world, B, True),
         largest_micro_batch=largest,
         fits=mem.total <= budget,
+        refused=_refusal(cfg, strategy),
     )
 
 
 def hours(cfg: Config, hardware: Hardware) -> tuple[float, float]:
     """(wall-clock hours, GPU-hours) for the config's token budget at the hardware's MFU."""
-    tokens = cfg.train.max_steps * cfg.train.batch_tokens
+    tokens = float(cfg.train.max_steps) * cfg.train.batch_tokens
     seconds = cfg.model.flops_per_token() * tokens / (hardware.world * hardware.peak_tflops * 1e12 * hardware.mfu)
     return seconds / 3600, seconds * hardware.world / 3600
 
@@ -180,6 +216,7 @@ def report(cfg: Config, name: str, hardware: Hardware) -> dict:
     return {
         "config": name,
         "parameters": cfg.model.num_weights,
+        "vocab_size": cfg.model.vocab_size,
         "block_size": cfg.model.block_size,
         "batch_tokens": cfg.train.batch_tokens,
         "tokens": cfg.train.max_steps * cfg.train.batch_tokens,
@@ -197,22 +234,24 @@ def format_report(r: dict) -> str:
     """The report as a table, GiB per GPU."""
     hw = r["hardware"]
     lines = [
-        f"{r['config']}: {r['parameters']:,} parameters, context {r['block_size']}, {r['batch_tokens']:,} tokens a "
-        f"step, {r['tokens']:,} tokens",
+        f"{r['config']}: {r['parameters']:,} parameters (vocabulary {r['vocab_size']:,}: set model.vocab_size to "
+        f"your tokenizer's), context {r['block_size']}, {r['batch_tokens']:,} tokens a step, {r['tokens']:,} tokens",
         f"on {hw['nodes']} node(s) x {hw['gpus']} GPU(s) of {hw['memory_gib']:g} GiB (GiB per GPU below)",
-        f"{'':6}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'total':>8}{'ckpt':>8}  micro-batch  largest  accum",
+        f"{'':6}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}{'ckpt':>9}  micro-batch  largest  accum",
     ]
     for p in r["plans"]:
         m = p["memory"]
-        cells = "".join(f"{m[k] / GIB:8.2f}" for k in ("params", "grads", "optimizer", "activations"))
+        cells = "".join(f" {m[k] / GIB:8.2f}" for k in ("params", "grads", "optimizer", "activations"))
         verdict = "" if p["fits"] else "  does not fit"
+        if p["refused"]:
+            verdict += f"  refused: {p['refused'].split(':')[0]}"
         lines.append(
-            f"{p['strategy']:6}{cells}{p['total_gib']:8.2f}{p['checkpointed_gib']:8.2f}  {p['micro_batch']:>11}  "
+            f"{p['strategy']:6}{cells} {p['total_gib']:8.2f} {p['checkpointed_gib']:8.2f}  {p['micro_batch']:>11}  "
             f"{p['largest_micro_batch']:>7}  {p['accumulation']:>5}{verdict}"
         )
     lines.append(
         f"time: {r['hours']:,.1f} h ({r['gpu_hours']:,.1f} GPU-hours) at {hw['mfu']:.0%} MFU of "
-        f"{hw['peak_tflops']:g} TFLOP/s; ckpt = with model.activation_checkpointing=true; the plan is within 15% "
-        "of peaks measured on an H100"
+        f"{hw['peak_tflops']:g} TFLOP/s; ckpt = with model.activation_checkpointing=true"
     )
+    lines.append("checked: within 15% of the peaks measured on one H100 in bf16; several GPUs not measured yet")
     return "\n".join(lines)

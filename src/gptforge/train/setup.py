@@ -32,7 +32,7 @@ from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
 from gptforge.train.optim import build_optimizer, lr_at
-from gptforge.train.plan import GIB, check_fits
+from gptforge.train.plan import GIB, check_fits, grad_accumulation
 
 
 @dataclass
@@ -150,17 +150,6 @@ def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_fr
     if device.type == "cpu" and env.distributed:
         name = list(DTYPES)[broadcast_int(list(DTYPES).index(name), env, device)]
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=name))
-
-
-def grad_accumulation(cfg: Config, world: int) -> int:
-    """Micro-steps per optimizer step: what the processes' micro-batches leave of the global token batch."""
-    B, T = cfg.train.micro_batch, cfg.model.block_size
-    if B <= 0 or cfg.train.batch_tokens <= 0 or cfg.train.batch_tokens % (B * T * world):
-        raise GptforgeError(
-            f"train.batch_tokens={cfg.train.batch_tokens} must be a positive multiple of "
-            f"train.micro_batch x model.block_size x processes = {B} x {T} x {world}"
-        )
-    return cfg.train.batch_tokens // (B * T * world)
 
 
 def check_model_fits(model_cfg: GPTConfig) -> None:
