@@ -19,7 +19,7 @@ from gptforge.train.trainer import train
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
 VAL_FRACTION = 0.02
 # A BPE trained on the stdlib packs 3.65 bytes/token against GPT-2's 2.06 on this code, and its small
-# output layer leaves the CPU's time to the transformer: the better model per minute (README, Results).
+# output layer leaves the CPU's time to the transformer: the better model per minute (benchmarks/RESULTS.md).
 VOCAB_SIZE = 8192
 # The modern recipe: on this corpus and budget it beats GPT-2's (demo-cpu, `--config demo-cpu`) at equal time on
 # every seed `gptforge speedrun` tried (README, Results).
