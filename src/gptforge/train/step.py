@@ -6,10 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_mean
 from gptforge.runtime.fsdp import gradient_sync, local_norm
+
+# The step's parts as a profile names them (benchmarks/profile_step.py); what lies outside them is data and Python.
+PHASES = ("step.forward", "step.backward", "step.clip", "step.finite_check", "step.optimizer")
+FORWARD, BACKWARD, CLIP, FINITE_CHECK, OPTIMIZER = PHASES
 
 
 def train_step(
@@ -34,20 +39,24 @@ def train_step(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         # DDP and FSDP reduce gradients in backward; only the last micro-step needs it.
         with gradient_sync(model, train_model, sync=micro == accum - 1):
-            with autocast(device, dtype):
+            with record_function(FORWARD), autocast(device, dtype):
                 _, loss = train_model(x, y)
                 # Accumulated gradients are a SUM over micro-batches; scale each so the step sees the MEAN.
                 loss = loss / accum
             loss_accum += loss.detach()
-            scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    clip = grad_clip if grad_clip > 0 else float("inf")
-    norm = local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))  # pre-clip, same on every rank
-    all_reduce_mean(loss_accum, env)
-    # The step's wait for the device: the loss and norm the trainer reads next are ready by then.
-    finite = bool(torch.isfinite(norm) & torch.isfinite(loss_accum))
-    if finite:
-        scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+            with record_function(BACKWARD):
+                scaler.scale(loss).backward()
+    with record_function(CLIP):
+        scaler.unscale_(optimizer)
+        clip = grad_clip if grad_clip > 0 else float("inf")
+        norm = local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))  # pre-clip, same on every rank
+        all_reduce_mean(loss_accum, env)
+    with record_function(FINITE_CHECK):
+        # The step's wait for the device: the loss and norm the trainer reads next are ready by then.
+        finite = bool(torch.isfinite(norm) & torch.isfinite(loss_accum))
+    with record_function(OPTIMIZER):
+        if finite:
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     return loss_accum, norm, finite
