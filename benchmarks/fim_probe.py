@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gptforge.checkpoint import load_for_inference
+from gptforge.errors import GptforgeError
 from gptforge.eval import code
 
 FIRST = 5  # tokens at the start of a middle
@@ -27,6 +28,7 @@ FIRST = 5  # tokens at the start of a middle
 def middle_bits(model, tok, documents: list[str], cases: int) -> dict[str, float]:
     """Bits of random middles (200-token stretches cut at two random characters) with and without the suffix."""
     rng, S = np.random.default_rng(0), tok.sentinels
+    span = min(200, model.config.block_size - 16)  # tokens of text a case cuts; a middle and its prompt fit the context
     total = {"prefix_only": 0.0, "with_suffix": 0.0, "prefix_only_first": 0.0, "with_suffix_first": 0.0}
     chars = n = 0
 
@@ -38,20 +40,24 @@ def middle_bits(model, tok, documents: list[str], cases: int) -> dict[str, float
 
     for doc in documents:
         ids = tok.encode(doc)
-        while n < cases and len(ids) >= 260 and rng.random() < 0.75:
-            s = int(rng.integers(0, len(ids) - 250))
-            text = tok.decode(ids[s : s + 200])
+        while n < cases and len(ids) >= span + 60 and rng.random() < 0.75:
+            s = int(rng.integers(0, len(ids) - span - 50))
+            text = tok.decode(ids[s : s + span])
             i, j = sorted(int(c) for c in rng.integers(0, len(text), 2))
             if j - i < 5:
                 continue
             p, m, x = (tok.encode(t) for t in (text[:i], text[i:j], text[j:]))
-            alone = nats((p or [tok.eot]) + m, max(1, len(p)))
             fim = [S.prefix, *p, S.suffix, *x, S.middle, *m]
+            if len(fim) > model.config.block_size:  # cut apart, the pieces took more tokens than the context
+                continue
+            alone = nats((p or [tok.eot]) + m, max(1, len(p)))
             both = nats(fim, len(fim) - len(m))
             for key, (whole, first) in (("prefix_only", alone), ("with_suffix", both)):
                 total[key] += whole
                 total[f"{key}_first"] += first
             chars, n = chars + j - i, n + 1
+    if not n:
+        raise SystemExit("fim_probe.py: error: no held-out document is long enough to cut a middle from")
     per_char = {k: v / chars / math.log(2) for k, v in total.items() if not k.endswith("_first")}
     first = {k: v / n / math.log(2) for k, v in total.items() if k.endswith("_first")}
     out = {"middles": n, **{f"{k}_bits_per_char": v for k, v in per_char.items()}}
@@ -82,7 +88,10 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1000)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    run = load_for_inference(args.checkpoint, device="cpu", dtype="float32")
+    try:
+        run = load_for_inference(args.checkpoint, device="cpu", dtype="float32")
+    except GptforgeError as e:
+        raise SystemExit(f"fim_probe.py: error: {e}") from None
     if not hasattr(run.tokenizer, "sentinels"):
         raise SystemExit(f"{args.checkpoint}: trained without FIM (data.fim_rate = 0)")
     documents = code.held_out_documents(args.data, run.tokenizer, max_documents=10**6)

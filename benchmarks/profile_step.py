@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gptforge.config import load_config
+from gptforge.errors import GptforgeError
 from gptforge.runtime.device import resolve_device
 from gptforge.runtime.distributed import SINGLE
 from gptforge.train.setup import build
@@ -123,7 +124,10 @@ def main() -> None:
     parser.add_argument("--trace", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    r = profile_step(load_config(args.config, args.set), args.steps, args.warmup, args.trace)
+    try:
+        r = profile_step(load_config(args.config, args.set), args.steps, args.warmup, args.trace)
+    except GptforgeError as e:
+        raise SystemExit(f"profile_step.py: error: {e}") from None
     print(format_profile(r))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1) + "\n")
