@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import sysconfig
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint, signature
 
 NEAR = DedupSettings()
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def code_file(seed: int, lines: int = 60) -> str:
@@ -42,6 +46,17 @@ def test_exact_copies_differing_in_line_endings_and_trailing_space_go_and_the_fi
     assert (out[2].kind, out[2].of) == ("exact", 0)
 
 
+def test_exact_copies_keep_their_indentation_and_line_structure():
+    """An IndentationError file read first must not remove the valid one as its exact copy; nor may a form feed
+    inside a line (whitespace to Python: a syntax error here) stand for a line break."""
+    valid = code_file(1)
+    broken = " " + valid  # the first line indented
+    with pytest.raises(IndentationError):
+        compile(broken, "broken.py", "exec")
+    out = verdicts([broken, valid, "x = 1\x0cy = 2\n", "x = 1\ny = 2\n"], DedupSettings(mode="exact"))
+    assert out == [None] * 4
+
+
 def test_a_copy_with_a_few_lines_changed_is_a_near_duplicate_and_distinct_files_are_kept():
     originals = [code_file(s) for s in range(20)]
     copies = [change_lines(t, 0.03, seed=s) for s, t in enumerate(originals)]
@@ -59,6 +74,70 @@ def test_a_duplicate_of_several_kept_documents_names_the_earliest():
     a, b = change_lines(base, 0.02, seed=1), change_lines(base, 0.02, seed=2)
     out = verdicts([code_file(3), a, code_file(4), b, base])
     assert out[3].of == 1 and out[4].of == 1  # b is a copy of a; base matches a (kept), not b (gone)
+
+
+def test_a_document_matching_two_kept_ones_names_the_earlier_even_when_the_later_is_closer():
+    base = code_file(21, lines=100)
+    lines = base.splitlines()
+    a = "\n".join([f"first_{i} = {i}" for i in range(18)] + lines[18:])  # its first 18 lines changed
+    b = "\n".join(lines[:-10] + [f"last_{i} = {i}" for i in range(10)])  # its last 10: closer to base than a
+    out = verdicts([code_file(3), a, b, base])
+    assert out[:3] == [None, None, None]  # a and b are not near copies of each other: both kept
+    assert (out[3].kind, out[3].of) == ("near", 1)
+    assert out[3].similarity < float((signature(b, NEAR) == signature(base, NEAR)).mean())
+
+
+TOTALS = """def totals_{i}(items, limit):
+    total = count = 0
+    for item in items:
+        if item > limit + {i}:
+            count += 1
+        total += item
+    return total, count
+"""
+
+
+def test_python_files_that_differ_only_in_indentation_are_not_near_copies_at_1():
+    """Indentation is syntax: `total += item` inside the `if` sums other items than outside it."""
+    inside = TOTALS.replace("        total += item", "            total += item")
+    assert verdicts([TOTALS.format(i=0), inside.format(i=0)]) == [None, None]
+    module = "\n".join(TOTALS.format(i=i) for i in range(10))
+    one_moved = module.replace(TOTALS.format(i=4), inside.format(i=4))
+    verdict = verdicts([module, one_moved])[1]
+    assert verdict.kind == "near" and verdict.similarity < 1.0  # a one-line change, as an edited word would be
+
+
+def test_the_threshold_is_inclusive():
+    a = code_file(8, lines=100)
+    b = change_lines(a, 0.1, seed=3)
+    estimate = float((signature(a, NEAR) == signature(b, NEAR)).mean())
+    assert verdicts([a, b], DedupSettings(threshold=estimate))[1].similarity == estimate
+    assert verdicts([a, b], DedupSettings(threshold=estimate + 1 / NEAR.hashes))[1] is None
+
+
+def test_the_defaults_are_the_measured_ones():
+    """README's numbers were measured at these; benchmarks/dedup.py measures any change."""
+    assert DedupSettings() == DedupSettings(mode="near", shingle=5, hashes=128, bands=32, threshold=0.7)
+
+
+def test_copies_with_10_to_15_percent_of_lines_changed_are_found_when_similar_enough():
+    """The bands decide which pairs are compared at all: every copy whose signature reaches the threshold must be
+    found (fewer bands miss some: 16 miss 9 of these 38, 8 miss 36), and most copies with 10% changed are."""
+    names = ["textwrap.py", "shlex.py", "fractions.py", "heapq.py", "calendar.py", "queue.py", "sched.py", "fnmatch.py"]
+    originals = [(STDLIB / name).read_text() for name in names]
+    dedup, signatures = Deduplicator(NEAR), [signature(text, NEAR) for text in originals]
+    assert [dedup.check(i, fingerprint(text, NEAR)) for i, text in enumerate(originals)] == [None] * len(names)
+    found, missed = {}, []
+    for fraction in (0.10, 0.12, 0.15):
+        for i, text in enumerate(originals):
+            for copy in range(3):
+                fp = fingerprint(change_lines(text, fraction, seed=1000 * i + copy), NEAR)
+                verdict = dedup.match(fp)
+                found[fraction] = found.get(fraction, 0) + (verdict is not None and verdict.of == i)
+                if verdict is None and (fp.signature == signatures[i]).mean() >= NEAR.threshold:
+                    missed.append((names[i], fraction, copy))
+    assert not missed
+    assert found[0.10] >= 0.75 * 3 * len(names) and found[0.15] < found[0.10]
 
 
 def test_documents_without_words_are_compared_exactly_only():
