@@ -1,0 +1,149 @@
+"""Conversations as tokens: the ChatML template, its two special tokens, and the loss mask.
+
+    <|im_start|>system\\n{content}<|im_end|>\\n<|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n...
+
+The special tokens take the two ids just past the base tokenizer's vocabulary (after FIM's sentinels when the base
+has them), so text never encodes to them. The loss counts an assistant turn's content and its `<|im_end|>` (the
+model learns to stop); everything else is context. One formatter serves training data, `serve`, `sample --chat`
+and `gptforge chat`; `CHAT_TEMPLATE` is the same format in Jinja for Hugging Face and GGUF exports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from gptforge.data.tokenizer import Tokenizer
+from gptforge.errors import GptforgeError
+
+CHAT_TEXTS = ("<|im_start|>", "<|im_end|>")
+ROLES = ("system", "user", "assistant")
+TEMPLATE_NAME = "chatml"
+# The Jinja form of `format_chat`, as Hugging Face's `apply_chat_template` and llama.cpp read it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ConversationError(GptforgeError):
+    """A conversation that cannot be formatted; `param` names the field as OpenAI's 400 bodies do."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """A formatted conversation: its ids, and 1 where the loss counts (an assistant's token)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+class ChatTokenizer(Tokenizer):
+    """A tokenizer with `<|im_start|>` and `<|im_end|>` appended past its vocabulary; `name` and `path` stay the
+    base's, as checkpoints and data folders record that one."""
+
+    def __init__(self, base: Tokenizer) -> None:
+        self.base, self.name, self.path, self.eot = base, base.name, base.path, base.eot
+        self.im_start, self.im_end = base.vocab_size, base.vocab_size + 1
+        self.vocab_size = base.vocab_size + len(CHAT_TEXTS)
+        self.sentinels = getattr(base, "sentinels", None)  # a FIM base keeps infilling
+
+    def encode(self, text: str) -> list[int]:
+        return self.base.encode(text)
+
+    def decode(self, ids) -> str:
+        out, run = [], []
+        for i in (int(i) for i in ids):
+            if i < self.base.vocab_size:
+                run.append(i)
+                continue
+            out += [self.base.decode(run), CHAT_TEXTS[i - self.base.vocab_size]]
+            run = []
+        return "".join(out) + self.base.decode(run)
+
+
+def with_chat(tokenizer: Tokenizer) -> ChatTokenizer:
+    """The tokenizer a chat model uses: the template's tokens appended unless they already are."""
+    return tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
+
+
+def parse_messages(messages: object, where: str = "messages") -> list[Message]:
+    """OpenAI's `messages` list, checked: each a {role, content} object with a known role and string content."""
+    if not isinstance(messages, list) or not messages:
+        raise ConversationError(f"{where}: expected a non-empty list of messages", where)
+    out = []
+    for i, message in enumerate(messages):
+        field = f"{where}[{i}]"
+        if not isinstance(message, dict):
+            raise ConversationError(f"{field}: expected an object with 'role' and 'content'", field)
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ConversationError(f"{field}.role: {role!r} is not one of {', '.join(ROLES)}", f"{field}.role")
+        if not isinstance(content, str):
+            raise ConversationError(f"{field}.content: expected a string", f"{field}.content")
+        out.append(Message(role, content))
+    return out
+
+
+def conversation_from_row(row: object) -> list[Message]:
+    """A JSONL row in OpenAI's form ({"messages": [...]}) or Alpaca's (instruction, input, output), checked to hold
+    an assistant turn to learn from."""
+    if isinstance(row, dict) and "messages" in row:
+        messages = parse_messages(row["messages"])
+    elif isinstance(row, dict) and "instruction" in row and "output" in row:
+        parts = [row["instruction"], row.get("input") or ""]
+        if not all(isinstance(p, str) for p in (*parts, row["output"])):
+            raise ConversationError("instruction, input and output must be strings", "instruction")
+        prompt = "\n\n".join(p for p in parts if p)
+        messages = [Message("user", prompt), Message("assistant", row["output"])]
+    else:
+        raise ConversationError("expected {'messages': [...]} or Alpaca's instruction/input/output", "messages")
+    if not any(m.role == "assistant" for m in messages):
+        raise ConversationError("no assistant turn to learn from", "messages")
+    return messages
+
+
+def format_chat(tokenizer: ChatTokenizer, messages: Iterable[Message], add_generation_prompt: bool) -> ChatTokens:
+    """The template's ids for `messages` (plus `<|im_start|>assistant\\n` when a reply is to follow) and the loss
+    mask. Text between special tokens is encoded as one piece, as `apply_chat_template` then tokenizing does."""
+    ids, mask = [], []
+    for m in messages:
+        header = f"{m.role}\n"
+        piece = tokenizer.encode(header + m.content)
+        learn = m.role == "assistant"
+        start = _content_start(tokenizer, piece, header) if learn else len(piece)
+        ids += [tokenizer.im_start, *piece, tokenizer.im_end]
+        mask += [0] * (1 + start) + [int(learn)] * (len(piece) - start + 1)
+        newline = tokenizer.encode("\n")
+        ids += newline
+        mask += [0] * len(newline)
+    if add_generation_prompt:
+        prompt = [tokenizer.im_start, *tokenizer.encode("assistant\n")]
+        ids += prompt
+        mask += [0] * len(prompt)
+    return ChatTokens(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8))
+
+
+def _content_start(tokenizer: Tokenizer, piece: list[int], header: str) -> int:
+    """Index of the first token of `piece` that holds content rather than the role header. GPT-2's
+    pre-tokenization splits at the header's newline, so its ids are a prefix; otherwise the first token whose text
+    reaches past the header starts the content (the header stays out of the loss either way)."""
+    head = tokenizer.encode(header)
+    if piece[: len(head)] == head:
+        return len(head)
+    reaches_past = (i for i in range(len(piece)) if len(tokenizer.decode(piece[: i + 1])) > len(header))
+    return next(reaches_past, len(piece))

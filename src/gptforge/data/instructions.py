@@ -1,0 +1,78 @@
+"""Offline instruction data for a code model: conversations built from documented Python functions.
+
+For each function or method with a docstring, the user asks for a function with that name, signature and the
+docstring's description, and the assistant answers with the function's source. Built from any Python documents
+(the standard library for the embedded default), so it needs nothing from the network.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from gptforge.data.chat import Message
+
+MAX_SOURCE_CHARS = 1500  # a reply must fit the demo's context with its request (~4 characters a token)
+MIN_SOURCE_LINES = 3
+
+
+@dataclass(frozen=True)
+class FunctionTask:
+    """One conversation: `document` names the file it came from (the split follows the file's)."""
+
+    document: str
+    name: str
+    messages: tuple[Message, ...]
+
+
+def function_tasks(documents: Iterable[tuple[str, str]]) -> Iterator[FunctionTask]:
+    """Conversations from every documented function of `documents` ((name, Python source) pairs) that parses and
+    is short enough; in source order."""
+    for doc_name, text in documents:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in sorted(functions, key=lambda n: n.lineno):  # ast.walk goes breadth first
+            task = _task(doc_name, lines, node)
+            if task is not None:
+                yield task
+
+
+def request_text(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The user's request for `node`: its signature and the docstring's first paragraph."""
+    doc = ast.get_docstring(node)
+    description = doc.strip().split("\n\n")[0].strip() if doc else ""
+    if not description:
+        return None
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    kind = "async function" if isinstance(node, ast.AsyncFunctionDef) else "function"
+    signature = f"{node.name}({ast.unparse(node.args)}){returns}"
+    return f"Write a Python {kind} `{signature}`.\n{description}"
+
+
+def _task(doc_name: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> FunctionTask | None:
+    request = request_text(node)
+    if request is None or node.end_lineno is None:
+        return None
+    # Whole lines from `def` to the body's end (decorators are not part of the answer); a method is dedented.
+    source = textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno])).rstrip()
+    if len(source) > MAX_SOURCE_CHARS or source.count("\n") + 1 < MIN_SOURCE_LINES:
+        return None
+    if not defines_function(source, node.name):  # a method of Python 2 test data, or one cut oddly
+        return None
+    messages = (Message("user", request), Message("assistant", source))
+    return FunctionTask(document=doc_name, name=node.name, messages=messages)
+
+
+def defines_function(reply: str, name: str) -> bool:
+    """The reply parses as Python and defines a function called `name` (the measure of a fine-tuned reply)."""
+    try:
+        tree = ast.parse(reply)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in ast.walk(tree))
