@@ -43,8 +43,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d(mean loss)/d(logits) = (softmax - one_hot) / n, built in place over the chunk's buffer.
                 grad = exps.div_(sums * n).scatter_add_(1, t, torch.full_like(sums, -1.0 / n)).to(dtype)
                 grad_h[s : s + chunk_rows] = grad @ wc
-                part = grad.T @ rows  # the compute dtype's matmul; chunks are summed in fp32
-                grad_w = part.float() if grad_w is None else grad_w.add_(part)
+                if ctx.needs_input_grad[1]:  # a frozen output layer (LoRA) skips its largest matmul
+                    part = grad.T @ rows  # the compute dtype's matmul; chunks are summed in fp32
+                    grad_w = part.float() if grad_w is None else grad_w.add_(part)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = h.dtype, weight.dtype
         return total / n
@@ -53,7 +54,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * grad_out).to(h_dtype), (grad_w * grad_out).to(w_dtype), None, None, None, None
+        grad_weight = None if grad_w is None else (grad_w * grad_out).to(w_dtype)
+        return (grad_h * grad_out).to(h_dtype), grad_weight, None, None, None, None
 
 
 def _loss_only(h, weight, targets, n_real, chunk_rows, dtype) -> torch.Tensor:

@@ -114,11 +114,15 @@ ran a bf16 forward+backward 1.4x (T=512) to 2.7x (T=128) faster than SDPA's CPU 
 T=1024 (benchmarks/RESULTS.md). GPUs always use SDPA (flash attention)."""
 
 
-def explicit_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v, the softmax in fp32; the same result as SDPA with is_causal."""
+def explicit_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v, the softmax in fp32; the same result as SDPA with is_causal.
+    `allowed` (B, 1, T, T), when given, replaces the causal mask (documents packed in a row)."""
     T = q.size(-2)
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    blocked = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1) if allowed is None else ~allowed
+    att = att.masked_fill(blocked, float("-inf"))
     att = F.dropout(torch.softmax(att.float(), dim=-1).to(q.dtype), dropout_p)
     return att @ v
 
@@ -146,6 +150,19 @@ def rotary_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+def document_mask(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of packed documents (B, T) of nondecreasing ids: each token's position inside its document, and
+    which keys each query may see (B, 1, T, T): earlier tokens of its own document only."""
+    T = docs.size(1)
+    index = torch.arange(T, device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    positions = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+    same = docs[:, :, None] == docs[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return positions, (same & causal)[:, None]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, nh, T, hs) by each position's angles: pairs (i, i + hs/2) turn together."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -167,7 +184,12 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=cfg.layer_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope=None, cache: KVCache | RowCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        rope=None,
+        cache: KVCache | RowCache | None = None,
+        layer: int = 0,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -184,6 +206,10 @@ class CausalSelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if isinstance(cache, RowCache):
             y = cache.attend(q, k, v)
+        elif allowed is not None and x.device.type == "cpu":
+            y = explicit_causal_attention(q, k, v, p, allowed)
+        elif allowed is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p)
         elif x.device.type == "cpu" and 1 < T <= EXPLICIT_ATTENTION_MAX_T and cache is None:
             y = explicit_causal_attention(q, k, v, p)
         else:
@@ -223,9 +249,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, rope=None, cache: KVCache | RowCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        rope=None,
+        cache: KVCache | RowCache | None = None,
+        layer: int = 0,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache, layer)
+        x = x + self.attn(self.ln_1(x), rope, cache, layer, allowed)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -287,17 +318,26 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | RowCache | None = None,
         all_logits: bool = False,
+        docs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits over the real vocabulary, mean cross-entropy in fp32 when targets are given).
 
         Logits are the last position's only, unless `all_logits`; with targets and no `all_logits` they are None
         (the loss is fused with lm_head). A `cache` continues from its position (a RowCache: each row from its own).
+        `docs` (B, T) packs documents in a row: each starts at position 0 and sees only itself, and targets < 0
+        are left out of the loss (its mean over the rest; 0 where nothing is left).
         """
         B, T = idx.shape
         end = (cache.length if cache is not None else 0) + T
         if end > self.config.block_size:
             raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
-        pos = cache.positions(T, idx.device) if cache is not None else torch.arange(T, device=idx.device)
+        allowed = None
+        if docs is not None:
+            pos, allowed = document_mask(docs)
+        elif cache is not None:
+            pos = cache.positions(T, idx.device)
+        else:
+            pos = torch.arange(T, device=idx.device)
         x, rope = self.transformer.wte(idx), None
         if self.config.position == "learned":
             x = x + self.transformer.wpe(pos)
@@ -308,13 +348,15 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, None, i, allowed, use_reentrant=False)
             else:
-                x = block(x, rope, cache, i)
+                x = block(x, rope, cache, i, allowed)
         if cache is not None:
             cache.advance(T)
         x = self.transformer.ln_f(x)
         V = self.config.vocab_size
+        if targets is not None and docs is not None:
+            return self._masked_loss(x, targets, all_logits)
         if targets is not None and self.config.fused_loss and not all_logits:
             return None, linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), V)
         logits = self.lm_head(x if all_logits or targets is not None else x[:, [-1], :])[..., :V]
@@ -322,3 +364,17 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
         return (logits if all_logits else None), loss
+
+    def _masked_loss(self, x: torch.Tensor, targets: torch.Tensor, all_logits: bool):
+        """Mean cross-entropy over the targets >= 0 alone: only their rows reach lm_head."""
+        keep = targets.reshape(-1) >= 0
+        rows, kept = x.reshape(-1, x.size(-1))[keep], targets.reshape(-1)[keep]
+        V = self.config.vocab_size
+        if self.config.fused_loss:
+            loss = linear_cross_entropy(rows, self.lm_head.weight, kept, V) if len(kept) else None
+        else:
+            loss = F.cross_entropy(self.lm_head(rows)[..., :V].float(), kept) if len(kept) else None
+        if loss is None:  # nothing to learn in this batch: a zero that still reaches every parameter's graph
+            loss = (x.sum() + self.lm_head.weight.sum()).float() * 0.0
+        logits = self.lm_head(x)[..., :V] if all_logits else None
+        return logits, loss
