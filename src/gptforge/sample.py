@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -11,6 +12,10 @@ from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
+
+# How an infilled middle stands out on a terminal: reverse video, an attribute rather than characters, so what is
+# copied from the screen is the code itself. Piped output stays the plain text.
+REVERSE, NORMAL = "\x1b[7m", "\x1b[27m"
 
 
 def sample_texts(
@@ -28,8 +33,8 @@ def sample_texts(
     suffix: str | None = None,
 ) -> Iterator[str]:
     """Load the checkpoint (a bad one fails here), then yield text to print as it is generated: a
-    `--- sample N` line, the prompt, its continuation (with `suffix`: the middle, then the suffix) and a newline,
-    for each sample of each prompt."""
+    `--- sample N` line, the prompt, its continuation (with `suffix`: the middle, in reverse video on a terminal,
+    then the suffix) and a newline, for each sample of each prompt."""
     run = load_for_inference(checkpoint, device, dtype)
     if suffix is not None and not isinstance(run.tokenizer, FIMTokenizer):
         raise GptforgeError(
@@ -55,6 +60,7 @@ def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tupl
         steps = settings
         if suffix is not None:  # the middle ends where the context does, its sentinels still in the window
             steps = (min(settings[0], run.model.config.block_size - len(ids) + 1), *settings[1:])
+        mark = _reverse if suffix is not None and sys.stdout.isatty() else str
         for _ in range(num_samples):
             yield f"--- sample {index}\n{prompt}"
             new: list[int] = []
@@ -68,7 +74,12 @@ def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tupl
                 new.append(int(nxt))
                 text = tok.decode(new)
                 if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    yield text[len(shown) :]
+                    yield mark(text[len(shown) :])
                     shown = text
-            yield tok.decode(new)[len(shown) :] + (suffix or "") + "\n"
+            yield mark(tok.decode(new)[len(shown) :]) + (suffix or "") + "\n"
             index += 1
+
+
+def _reverse(text: str) -> str:
+    """`text` in reverse video, each piece on its own, so an error mid-sample leaves the terminal as it was."""
+    return f"{REVERSE}{text}{NORMAL}" if text else ""

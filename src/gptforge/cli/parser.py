@@ -164,7 +164,9 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
     s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
     s.add_argument(
-        "--suffix", help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs)"
+        "--suffix",
+        help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs; on a "
+        "terminal the middle shows in reverse video)",
     )
     s.add_argument("-n", "--num-samples", type=at_least(1), default=1, help="samples per prompt")
     s.add_argument("--max-new-tokens", type=at_least(1), default=128)
