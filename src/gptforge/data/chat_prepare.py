@@ -1,0 +1,233 @@
+"""`gptforge prepare SOURCE --chat`: JSONL conversations -> token shards, a loss mask beside each, a manifest.
+
+Each row is one conversation, in OpenAI's form or Alpaca's (`data.chat`). A bad row is skipped, counted and named
+(`file:line`) in report.md. Conversations are de-duplicated (exact and MinHash, on their text), decontaminated and
+split whole; a row may name its split (`"split": "val"`), else a stable hash of its text decides. Each conversation
+is followed by EOT (outside the loss), so a loader finds where one ends as in any data folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import re
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptforge.data.chat import (
+    CHAT_TEXTS,
+    TEMPLATE_NAME,
+    ConversationError,
+    Message,
+    conversation_from_row,
+    format_chat,
+    with_chat,
+)
+from gptforge.data.decontaminate import eval_ngrams, is_contaminated
+from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint
+from gptforge.data.pipeline import is_validation
+from gptforge.data.shards import SPLITS, dtype_for_vocab, write_manifest, write_shard
+from gptforge.data.tokenizer import load_tokenizer
+from gptforge.errors import GptforgeError
+from gptforge.files import atomic_write, building_dir, check_output_dir, locked, open_text, reading
+
+MASK_SUFFIX = ".mask.npy"
+SHOWN_BAD_ROWS = 20
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What `prepare --chat` makes of its source: the tokenizer ('gpt2' or a tokenizer file), the held-out share,
+    de-duplication and decontamination."""
+
+    tokenizer: str = "gpt2"
+    val_fraction: float = 0.01
+    seed: int = 0
+    dedup: DedupSettings = field(default_factory=DedupSettings)
+    decontaminate: tuple[str, ...] = ()
+    shard_tokens: int = 100_000_000
+
+
+@dataclass
+class _Split:
+    ids: list[np.ndarray] = field(default_factory=list)
+    masks: list[np.ndarray] = field(default_factory=list)
+    docs: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class ChatCounts:
+    rows: int = 0
+    kept: int = 0
+    bad: Counter = field(default_factory=Counter)
+    bad_rows: list[str] = field(default_factory=list)
+    removed: Counter = field(default_factory=Counter)
+    removed_rows: list[str] = field(default_factory=list)
+
+
+def chat_files(source: str) -> list[Path]:
+    """The JSONL files a SOURCE names: a file, a folder's *.jsonl[.gz] files or a glob, sorted."""
+    root = Path(source)
+    if glob.has_magic(source):
+        files = [Path(p) for p in sorted(glob.glob(source, recursive=True)) if Path(p).is_file()]
+    elif root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p.is_file())
+    elif root.is_file():
+        files = [root]
+    else:
+        raise GptforgeError(f"{source}: no such file or folder (expected JSONL conversations)")
+    if not files:
+        raise GptforgeError(f"{source}: no .jsonl files of conversations in it")
+    return files
+
+
+def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[str, list[Message], str | None]]:
+    """(where, messages, the row's own split or None) for each usable row; bad rows are counted and named."""
+    for path in files:
+        with reading(path), open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                counts.rows += 1
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(line)
+                    messages = conversation_from_row(row)
+                    split = row.get("split")  # a dict: conversation_from_row refused anything else
+                    if split is not None and split not in SPLITS:
+                        raise ConversationError(f"split {split!r} is not one of {', '.join(SPLITS)}", "split")
+                except json.JSONDecodeError:
+                    _bad(counts, where, "not JSON", "not JSON")
+                    continue
+                except ConversationError as e:
+                    _bad(counts, where, str(e), e.param)
+                    continue
+                yield where, messages, split
+
+
+def _bad(counts: ChatCounts, where: str, reason: str, field: str) -> None:
+    counts.bad[re.sub(r"\[\d+\]", "[i]", field)] += 1  # counted by the field at fault, named row by row
+    counts.bad_rows.append(f"{where}: {reason}")
+
+
+def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bool = False) -> dict[str, Any]:
+    """Write the chat data folder `out` from `source`; returns its manifest. Refused in one line when no row is
+    usable; `out` is replaced only once the new folder is complete."""
+    out = Path(out)
+    files = chat_files(source)
+    check_output_dir(out, force, reads=[source])
+    base = load_tokenizer(settings.tokenizer)
+    tokenizer = with_chat(base)
+    counts, splits = ChatCounts(), {s: _Split() for s in SPLITS}
+    dedup = Deduplicator(settings.dedup)
+    ngrams = eval_ngrams(settings.decontaminate) if settings.decontaminate else frozenset()
+    kept: dict[int, str] = {}
+    for index, (where, messages, split) in enumerate(read_conversations(files, counts)):
+        text = "".join(f"{m.role}\n{m.content}\n" for m in messages)
+        verdict = dedup.check(index, fingerprint(text, settings.dedup))
+        if verdict is not None:
+            counts.removed[f"{verdict.kind} duplicate"] += 1
+            counts.removed_rows.append(f"{where}: {verdict.kind} duplicate of {kept[verdict.of]}")
+            continue
+        kept[index] = where
+        if ngrams and is_contaminated(text, ngrams):
+            counts.removed["contaminated"] += 1
+            counts.removed_rows.append(f"{where}: shares a 13-gram with the evaluation files")
+            continue
+        key = hashlib.sha256(text.encode()).hexdigest()
+        split = split or ("val" if is_validation(key, index, settings.val_fraction, settings.seed) else "train")
+        chat = format_chat(tokenizer, messages, add_generation_prompt=False)
+        part = splits[split]
+        part.ids.append(np.append(chat.ids, tokenizer.eot))
+        part.masks.append(np.append(chat.mask, 0).astype(np.uint8))
+        part.docs, part.bytes = part.docs + 1, part.bytes + len(text.encode())
+        counts.kept += 1
+    if not splits["train"].docs:
+        shown = f" (first: {counts.bad_rows[0]})" if counts.bad_rows else ""
+        raise GptforgeError(f"{source}: no usable training conversation in {counts.rows} rows{shown}")
+    with locked(out, "prepare"), building_dir(out) as tmp:
+        manifest = _write(tmp, source, base, splits, settings)
+        atomic_write(tmp / "report.md", _report(source, counts, manifest))
+    return manifest
+
+
+def _write(tmp: Path, source: str, base, splits: dict[str, _Split], settings: ChatSettings) -> dict[str, Any]:
+    dtype = dtype_for_vocab(base.vocab_size + len(CHAT_TEXTS))
+    shards, totals = [], {}
+    for split, part in splits.items():
+        totals[split] = {"docs": part.docs, "bytes": part.bytes, "tokens": int(sum(map(len, part.ids)))}
+        totals[split]["assistant_tokens"] = int(sum(int(m.sum()) for m in part.masks))
+        for n, (start, end) in enumerate(_shard_ranges(part.ids, settings.shard_tokens)):
+            name = f"{split}_{n:06d}"
+            ids, mask = np.concatenate(part.ids[start:end]).astype(dtype), np.concatenate(part.masks[start:end])
+            buffer = io.BytesIO()
+            np.save(buffer, mask, allow_pickle=False)
+            atomic_write(tmp / f"{name}{MASK_SUFFIX}", buffer.getvalue())
+            shard = {
+                "file": f"{name}.bin",
+                "split": split,
+                "tokens": len(ids),
+                "sha256": write_shard(tmp / f"{name}.bin", ids),
+            }
+            shard.update(
+                docs=end - start, mask=f"{name}{MASK_SUFFIX}", mask_sha256=hashlib.sha256(buffer.getvalue()).hexdigest()
+            )
+            shards.append(shard)
+    tok = {"name": base.name, "vocab_size": base.vocab_size, "eot": base.eot}
+    if base.path is not None:
+        shutil.copyfile(base.path, tmp / "tokenizer.json")
+        tok["name"] = "tokenizer.json"
+    chat = {"template": TEMPLATE_NAME, "special_tokens": list(CHAT_TEXTS)}
+    manifest = {"source": source, "tokenizer": tok, "chat": chat, "splits": totals, "shards": shards}
+    manifest["settings"] = {"val_fraction": settings.val_fraction, "seed": settings.seed, "dedup": settings.dedup.mode}
+    write_manifest(tmp, manifest)
+    return manifest
+
+
+def _shard_ranges(ids: list[np.ndarray], shard_tokens: int) -> Iterator[tuple[int, int]]:
+    """Conversation index ranges of about `shard_tokens` tokens each, whole conversations only."""
+    start, fill = 0, 0
+    for i, conversation in enumerate(ids):
+        if fill and fill + len(conversation) > shard_tokens:
+            yield start, i
+            start, fill = i, 0
+        fill += len(conversation)
+    if fill:
+        yield start, len(ids)
+
+
+def _report(source: str, counts: ChatCounts, manifest: dict[str, Any]) -> str:
+    splits = manifest["splits"]
+    lines = [f"# prepare --chat {source}", "", f"{counts.rows:,} rows read, {counts.kept:,} conversations kept", ""]
+    lines += ["| split | conversations | tokens | assistant tokens (in the loss) |", "| --- | --- | --- | --- |"]
+    for name, s in splits.items():
+        share = s["assistant_tokens"] / max(1, s["tokens"])
+        lines.append(f"| {name} | {s['docs']:,} | {s['tokens']:,} | {s['assistant_tokens']:,} ({share:.0%}) |")
+    removed = {**{f"bad row: {k}": v for k, v in counts.bad.items()}, **counts.removed}
+    if removed:
+        lines += ["", "| removed | rows |", "| --- | --- |", *(f"| {k} | {v:,} |" for k, v in removed.items())]
+    for title, rows in (("Bad rows", counts.bad_rows), ("Removed conversations", counts.removed_rows)):
+        if rows:
+            lines += ["", f"{title} (the first {SHOWN_BAD_ROWS} of {len(rows):,}):", ""]
+            lines += [f"- {row}" for row in rows[:SHOWN_BAD_ROWS]]
+    return "\n".join(lines) + "\n"
+
+
+def read_mask(path: Path, tokens: int) -> np.ndarray:
+    """A shard's loss mask, checked to be one 0/1 byte per token."""
+    try:
+        mask = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise GptforgeError(f"{path}: not a readable loss mask ({e})") from None
+    if mask.dtype != np.uint8 or mask.shape != (tokens,):
+        raise GptforgeError(f"{path}: expected {tokens} uint8 mask values, got {mask.dtype} {mask.shape}")
+    return mask

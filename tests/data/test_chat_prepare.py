@@ -1,0 +1,88 @@
+"""prepare --chat: conversations in, token shards with their loss masks out; bad rows named, copies removed."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gptforge.data.chat import with_chat
+from gptforge.data.chat_prepare import ChatSettings, prepare_chat, read_mask
+from gptforge.data.shards import read_manifest, read_shard, verify_shard
+from gptforge.data.tokenizer import GPT2Tokenizer
+from gptforge.errors import GptforgeError
+
+
+def _turns(*pairs):
+    return {"messages": [{"role": r, "content": c} for r, c in pairs]}
+
+
+GOOD = [
+    _turns(("system", "Be brief."), ("user", "Name a prime."), ("assistant", "Seven.")),
+    {"instruction": "Reverse the list.", "input": "[1, 2]", "output": "[2, 1]"},
+    _turns(("user", "Two plus two?"), ("assistant", "Four."), ("user", "And times three?"), ("assistant", "Twelve.")),
+    {**_turns(("user", "Held out?"), ("assistant", "Yes, held out.")), "split": "val"},
+]
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_conversations_become_shards_whose_mask_holds_exactly_the_replies(tmp_path):
+    src = _write(tmp_path / "chats.jsonl", GOOD)
+    manifest = prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["chat"] == {"template": "chatml", "special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    assert {s: manifest["splits"][s]["docs"] for s in ("train", "val")} == {"train": 3, "val": 1}
+    tok = with_chat(GPT2Tokenizer())
+    replies = {"train": ["Seven.", "[2, 1]", "Four.", "Twelve."], "val": ["Yes, held out."]}
+    for shard in read_manifest(tmp_path / "out")["shards"]:
+        verify_shard(tmp_path / "out" / shard["file"], shard["sha256"])
+        ids = np.asarray(read_shard(tmp_path / "out" / shard["file"], tok.vocab_size))
+        mask = read_mask(tmp_path / "out" / shard["mask"], len(ids))
+        assert tok.decode(ids[mask == 1]) == "".join(r + "<|im_end|>" for r in replies[shard["split"]])
+        assert (ids == tok.eot).sum() == shard["docs"] and ids[-1] == tok.eot and mask[ids == tok.eot].sum() == 0
+        assert manifest["splits"][shard["split"]]["assistant_tokens"] == int(mask.sum())
+    text = tok.decode(np.asarray(read_shard(tmp_path / "out" / "train_000000.bin")))
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a prime.<|im_end|>\n")
+    assert "<|im_start|>user\nReverse the list.\n\n[1, 2]<|im_end|>" in text
+
+
+def test_bad_rows_are_skipped_counted_and_named_by_line_and_copies_removed(tmp_path):
+    bad = [
+        _turns(("user", "No reply?")),
+        _turns(("user", "hi"), ("robot", "beep")),
+        {"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "b"}]},
+        "{not json",
+        {**GOOD[1], "split": "test"},
+    ]
+    src = _write(tmp_path / "chats.jsonl", [GOOD[0], *bad, GOOD[0], GOOD[2]])
+    manifest = prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["splits"]["train"]["docs"] == 2
+    report = (tmp_path / "out" / "report.md").read_text()
+    for line, reason in [
+        (2, "no assistant turn"),
+        (3, "messages[1].role: 'robot'"),
+        (4, "messages[0].content"),
+        (5, "not JSON"),
+        (6, "split 'test'"),
+    ]:
+        assert f"chats.jsonl:{line}: {reason}" in report, reason
+    assert f"chats.jsonl:7: exact duplicate of {src}:1" in report
+    assert "| bad row: messages[i].role | 1 |" in report and "| exact duplicate | 1 |" in report
+
+
+def test_a_file_with_no_usable_row_is_one_line_and_writes_nothing(tmp_path):
+    src = _write(tmp_path / "chats.jsonl", [_turns(("user", "alone")), "[]"])
+    with pytest.raises(GptforgeError, match=r"no usable training conversation in 2 rows \(first: .*chats.jsonl:1"):
+        prepare_chat(str(src), tmp_path / "out", ChatSettings())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_mask_is_named(tmp_path):
+    (tmp_path / "m.npy").write_bytes(b"junk")
+    with pytest.raises(GptforgeError, match="m.npy: not a readable loss mask"):
+        read_mask(tmp_path / "m.npy", 3)
+    np.save(tmp_path / "w.npy", np.zeros(4, dtype=np.uint8))
+    with pytest.raises(GptforgeError, match="expected 3 uint8 mask values"):
+        read_mask(tmp_path / "w.npy", 3)
