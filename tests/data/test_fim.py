@@ -79,6 +79,30 @@ def test_rate_zero_changes_nothing_and_the_same_window_gets_the_same_cut(tok):
     assert len({o.tobytes() for o in outs}) > 3  # epochs and windows draw their own cuts
 
 
+def forms(fim, tok, original, key):
+    """Each document's form in one window: 'psm', 'spm', or None where it stayed as it was."""
+    out = fim.window(original, key)
+    segments = np.split(out, np.flatnonzero(out == tok.eot) + 1)[:-1]
+    return [parts(seg[:-1], tok)[0] if tok.sentinels.prefix in seg else None for seg in segments]
+
+
+def test_psm_or_spm_is_a_draw_of_its_own_in_the_stated_proportion(tok):
+    # At fim_rate 0.5 the rearranged documents are those whose first draw fell under 0.5: were the form read from
+    # that draw too, every one of them would be SPM.
+    fim, original = FIM(tok, rate=0.5, spm_rate=0.5), window(tok)
+    drawn = [f for key in range(100) for f in forms(fim, tok, original, (3, 0, key))]
+    rearranged = [f for f in drawn if f is not None]
+    assert len(rearranged) > 100 and 0.4 < rearranged.count("spm") / len(rearranged) < 0.6
+    assert [forms(fim, tok, original, (3, 0, key)) for key in range(6)] == [  # as seeded: each form, and neither
+        [None, "psm", None],
+        [None, None, None],
+        [None, None, "spm"],
+        ["psm", None, None],
+        ["spm", None, None],
+        [None, "spm", None],
+    ]
+
+
 def test_sentinels_follow_the_vocabulary_and_decode_to_their_names(tok):
     assert (tok.sentinels.prefix, tok.sentinels.middle, tok.sentinels.suffix) == (50257, 50258, 50259)
     assert tok.vocab_size == 50260 and tok.name == "gpt2" and tok.eot == 50256

@@ -2,6 +2,7 @@
 batches independent of how the stream is batched, and the refusals of a bad `data.mix`."""
 
 import math
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -12,13 +13,14 @@ from gptforge.config import load_config
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Schedule, open_mix, parse_mix
 from gptforge.data.shards import write_manifest, write_shard
+from gptforge.data.tokenizer import train_bpe
 from gptforge.errors import GptforgeError
 
 T = 8
 OFFSET = 10_000  # folder k's tokens are k * OFFSET + their position: a window tells which folder it came from
 
 
-def make_folder(path, windows, k, vocab=60_000, eot=0):
+def make_folder(path, windows, k, vocab=60_000, eot=0, tokenizer="gpt2"):
     """A prepared folder of `windows` training windows of T tokens (plus one) whose tokens say where they are."""
     path.mkdir(parents=True, exist_ok=True)
     n = windows * T + 1
@@ -26,7 +28,7 @@ def make_folder(path, windows, k, vocab=60_000, eot=0):
     write_manifest(
         path,
         {
-            "tokenizer": {"name": "gpt2", "vocab_size": vocab, "eot": eot},
+            "tokenizer": {"name": tokenizer, "vocab_size": vocab, "eot": eot},
             "shards": [{"file": "train_000000.bin", "split": "train", "tokens": n, "sha256": sha}],
             "splits": {"train": {"docs": 1, "tokens": n, "bytes": n}},
         },
@@ -57,6 +59,18 @@ def test_every_prefix_of_the_stream_holds_each_share_rounded(weights):
         counts[schedule.next()] += 1
         for c, share in zip(counts, shares, strict=True):
             assert math.floor(n * share) <= c <= math.ceil(n * share), (n, counts)
+
+
+def test_the_stream_of_one_mix_is_the_earliest_deadline_first_by_hand(tmp_path):
+    # Weights 1:3:4, shares p/8 with p = (1, 3, 4). Window n may come from source i while c_i·8 < (n+1)·p_i; the
+    # next window of i is due by ceil((c_i+1)·8 / p_i); the earliest wins, the first source on a tie:
+    # n=0 due (8, 3, 2) -> 2 | n=1 (8, 3, -) -> 1 | n=2 (8, 6, 4) -> 2 | n=3 (8, 6, -) -> 1 | n=4 (8, -, 6) -> 2
+    # n=5 (8, 8, -) -> 0 | n=6 (-, 8, 8) -> 1 | n=7 (-, -, 8) -> 2, and the same again from n=8.
+    # (A floor for the ceiling keeps every prefix rounded but starts with 1: due (8, 2, 2).)
+    by_hand = [2, 1, 2, 1, 2, 0, 1, 2] * 2
+    sources = mix(tmp_path, [("a", 40, 1), ("b", 40, 3), ("c", 40, 4)])
+    loader = MixtureLoader(sources, "train", 4, T, seed=0)
+    assert [f for _ in range(4) for f, _ in origin(loader.next_batch()[0])] == by_hand
 
 
 @pytest.mark.parametrize("weights", [(7, 3), (5, 3, 2), (0.45, 0.35, 0.2), (1, 2, 3, 4)])
@@ -132,6 +146,25 @@ def test_new_weights_on_resume_keep_each_folders_position(tmp_path):
     assert resumed.progress(resumed.state_dict()) == {"epoch/a": 0.4, "epoch/b": 0.2}  # 10 + 30, 10 + 10
 
 
+def test_a_second_resume_after_new_weights_continues_the_same_stream(tmp_path):
+    # The schedule counts windows since the shares changed, apart from each folder's position: a second resume
+    # under the same new shares must read those counts, not the positions, to continue the stream.
+    before = mix(tmp_path, [("a", 100, 1), ("b", 100, 1)])
+    first = MixtureLoader(before, "train", 4, T, seed=1)
+    for _ in range(3):
+        first.next_batch()
+    after = parse_mix([f"{tmp_path / 'a'}=3", f"{tmp_path / 'b'}=1"])
+    straight = MixtureLoader(after, "train", 4, T, seed=1)
+    straight.load_state_dict(first.state_dict())
+    for _ in range(2):
+        straight.next_batch()
+    again = MixtureLoader(after, "train", 4, T, seed=1)
+    again.load_state_dict(straight.state_dict())
+    for _ in range(6):
+        assert torch.equal(again.next_batch()[0], straight.next_batch()[0])
+    assert again.state_dict() == straight.state_dict()
+
+
 def test_a_saved_position_of_another_kind_or_shape_is_refused(tmp_path):
     sources = mix(tmp_path, [("a", 100, 1), ("b", 100, 1)])
     state = MixtureLoader(sources, "train", 4, T).state_dict()
@@ -146,10 +179,16 @@ def test_a_saved_position_of_another_kind_or_shape_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "items,message",
     [
-        (["a=0"], r"'a=0' has weight '0' \(expected a positive number\)"),
+        (["a=0"], r"'a=0' has weight '0' \(expected a positive number written as a decimal such as 0.7, 3 or 2.5e-3"),
         (["a=-1", "b=1"], "'a=-1' has weight '-1'"),
         (["a=lots"], "'a=lots' has weight 'lots'"),
         (["a=nan"], "has weight 'nan'"),
+        (["a=1/3", "b=1"], "has weight '1/3'"),
+        # An integer of a billion digits to build (it hung), and shares past Python's 4,300-digit str() limit
+        (["d1=1e1000000000", "d2=1"], r"'d1=1e1000000000' has weight .* an exponent of at most two digits\)$"),
+        (["d1=1e-5000000", "d2=1"], "has weight '1e-5000000'"),
+        (["d1=1e-4400", "d2=1"], "has weight '1e-4400'"),
+        (["d1=0." + "0" * 30 + "1", "d2=1"], "at most 24 characters"),
         (["a"], r"'a' \(expected FOLDER=WEIGHT"),
         (["=0.5"], "expected FOLDER=WEIGHT"),
         (["data/a=1", "data/./a=2"], "data/a and data/./a are the same folder; list it once"),
@@ -161,6 +200,14 @@ def test_a_bad_mix_is_refused_in_one_line_when_the_config_loads(items, message):
         parse_mix(items)
     with pytest.raises(GptforgeError, match=f"^data.mix: .*{message}"):
         load_config("tiny", [f"data.mix={','.join(items)}"])
+
+
+def test_a_decimal_weight_within_the_bounds_is_exact():
+    sources = parse_mix(["a=2.5e-3", "b=.9975", "c=1E+2", "d=99e-99"])
+    assert [s.weight for s in sources] == ["2.5e-3", ".9975", "1E+2", "99e-99"]
+    total = Fraction(1) + 100 + Fraction(99, 10**99)
+    assert [s.share for s in sources] == [Fraction(1, 400) / total, Fraction(399, 400) / total, 100 / total,
+                                          Fraction(99, 10**99) / total]  # fmt: skip
 
 
 def test_the_mix_is_a_toml_list_or_comma_separated_after_set(tmp_path):
@@ -192,3 +239,15 @@ def test_a_missing_folder_or_another_tokenizer_is_refused_naming_the_folder(tmp_
         open_mix(parse_mix([f"{a}=1", f"{c}=1"]))
     tokenizer, manifests = open_mix(parse_mix([f"{a}=1", f"{make_folder(tmp_path / 'd', 10, 3)}=1"]))
     assert tokenizer.name == "gpt2" and len(manifests) == 2
+
+
+def test_a_mix_of_tokenizers_says_which_tokenizer_to_prepare_again_with(tmp_path):
+    gpt2 = make_folder(tmp_path / "gpt2", 10, 0, vocab=50257, eot=50256)
+    (tmp_path / "bpe").mkdir()
+    bpe = train_bpe(["def f(x):\n    return x\n"] * 5, 300, tmp_path / "bpe" / "tokenizer.json")
+    trained = make_folder(tmp_path / "bpe", 10, 0, vocab=bpe.vocab_size, eot=bpe.eot, tokenizer="tokenizer.json")
+    fix = f"same tokenizer: prepare {gpt2}'s corpus again with --tokenizer {trained}/tokenizer.json"
+    with pytest.raises(GptforgeError, match=re.escape(fix) + "$"):
+        open_mix(parse_mix([f"{trained}=1", f"{gpt2}=1"]))
+    with pytest.raises(GptforgeError, match=re.escape(f"prepare {trained}'s corpus again with --tokenizer gpt2") + "$"):
+        open_mix(parse_mix([f"{gpt2}=1", f"{trained}=1"]))

@@ -56,16 +56,19 @@ def test_a_middle_counts_only_when_written_exactly(monkeypatch, fim):
     cases = [
         HiddenSpan("def f(x):", "    return x + 1", "\n"),
         HiddenSpan("def g(y):", "    y += 1\n    return y * 2", "\n"),
+        HiddenSpan("def h(z):", "    return z", "\n"),
     ]
-    answers = {  # what the stub model writes: the right middle with a suffix, a near miss or no newline without
-        True: ["    return x + 1\n    ", "    y += 1 \n    return y * 2  \nmore"],
-        False: ["\n    return x + 2\n", "    y += 1\n    return y * 2\n"],
+    answers = {  # what the stub model writes: the right middle with a suffix, a near miss or no newline without,
+        # and h's line without its indentation (Python's meaning changes: not exact)
+        True: ["    return x + 1\n    ", "    y += 1 \n    return y * 2  \nmore", "return z\n"],
+        False: ["\n    return x + 2\n", "    y += 1\n    return y * 2\n", "\nreturn z\n"],
     }
 
     def fake_generate(model, items, ends, done=lambda item: False):  # writes the answer up to where done() says
         for item in items:
             with_suffix = fim and tok.sentinels.middle in item.prompt
-            text = answers[with_suffix][int("g(" in tok.decode([i for i in item.prompt if i < 50257]))]
+            prompt = tok.decode([i for i in item.prompt if i < 50257])
+            text = answers[with_suffix][next(k for k, name in enumerate("fgh") if f"{name}(" in prompt)]
             for token in tok.encode(text):
                 item.new.append(token)
                 if done(item):

@@ -124,7 +124,7 @@ def test_llama_cpp_tokenizes_as_we_do(tmp_path, which, trained_bpe):
         for text in TEXTS + [CODE]:
             assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text), text
             assert llm.detokenize(tok.encode(text)).decode() == text
-        assert llm.token_eos() == tok.eot
+        assert llm.token_eos() == llm.token_bos() == tok.eot
 
 
 def test_the_file_names_the_run_and_holds_the_tokenizer(tmp_path, trained_bpe):
@@ -140,7 +140,9 @@ def test_the_file_names_the_run_and_holds_the_tokenizer(tmp_path, trained_bpe):
     tokens, types = text("tokenizer.ggml.tokens"), text("tokenizer.ggml.token_type")
     assert len(tokens) == model.config.vocab_size and tokens[-1] == f"[PAD{model.config.vocab_size - 1}]"
     assert tokens[trained_bpe.eot] == EOT_TEXT and types[trained_bpe.eot] == gguf.TokenType.CONTROL
-    assert text("tokenizer.ggml.eos_token_id") == trained_bpe.eot and not text("tokenizer.ggml.add_bos_token")
+    # Both ids ours: without bos_token_id llama.cpp falls back to token 11, a byte of the vocabulary.
+    assert text("tokenizer.ggml.bos_token_id") == text("tokenizer.ggml.eos_token_id") == trained_bpe.eot != 11
+    assert not text("tokenizer.ggml.add_bos_token")
     assert all(" " in m for m in text("tokenizer.ggml.merges"))
     assert text("general.file_type") == gguf.LlamaFileType.MOSTLY_BF16
 

@@ -1,6 +1,7 @@
 """`gptforge plan`: the memory model against the peaks measured on an H100, the strategies' arithmetic, the largest
 micro-batch, the time, and `train`'s refusal of what cannot fit."""
 
+import dataclasses
 import json
 import subprocess
 
@@ -9,7 +10,7 @@ from tests.helpers import cli
 
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
-from gptforge.train.plan import GIB, Hardware, check_fits, hours, memory, plan
+from gptforge.train.plan import GIB, Hardware, Memory, check_fits, format_report, hours, memory, plan, report
 
 # benchmarks/RESULTS.md: `gptforge bench` on one H100 SXM, bf16, compiled, 64 x 1024 tokens a micro-step.
 MEASURED = [("gpt2-124m", [], 26.7), ("gpt2-124m", ["model.fused_loss=false"], 29.6), ("speedrun-124m", [], 29.3)]
@@ -31,6 +32,54 @@ def test_zero_and_fsdp_shard_what_they_promise_and_checkpointing_saves_activatio
     assert memory(cfg, "ddp", 1, 16, checkpointed=False).grads == ddp.grads / 2  # no DDP buckets on one GPU
 
 
+def test_each_term_of_a_small_config_is_the_hand_computed_one_on_1_and_8_gpus():
+    cfg = load_config("tiny", ["model.vocab_size=1000", "train.dtype=bfloat16", "train.batch_tokens=2048"])
+    # C=32, 2 layers, T=32, MLP 128, vocabulary padded to 1024, tied. Weights: table 1024·32 = 32,768, positions
+    # 32·32 = 1,024, a layer 2 norms 2·64 + attention 4·32² + 4·32 + MLP 2·128·32 + 128 + 32 = 12,704, final norm 64.
+    P = 32_768 + 1_024 + 2 * 12_704 + 64
+    assert cfg.model.num_weights == P == 59_264
+    # Bytes a token keeps, bf16 (2 bytes): a block's attention 4·32 + 2·(32 + 3·32 + 32) = 448, the MLP's input
+    # 4·32 + 2·32 = 192 and inner 2·2·128 = 512: 1,152; edges 4·32 + 6·32 = 320; the fused loss 4·32 a token.
+    # A micro-batch of 4 x 32 = 128 tokens, times the allocator's 1.18.
+    activations = 1.18 * ((2 * 1_152 + 320) * 128 + 4 * 32 * 128)
+    checkpointed = 1.18 * ((2 * 4 * 32 + 1_152 + 320) * 128 + 4 * 32 * 128)  # block inputs, one block recomputed
+    adamw = 8 * P
+    alone = Memory(4 * P, 4 * P, adamw, activations)  # one GPU: no buckets, nothing sharded
+    # 8 GPUs: DDP's buckets double the gradients; zero shards the optimizer; fsdp shards everything and holds the
+    # root (32,768 + 1,024 + 64 = 33,856 weights) and two blocks (12,704 each) gathered in bf16, and, accumulating
+    # 2 micro-steps (2,048 / (4 x 32 x 8)), the unsharded fp32 gradients.
+    gathered = 2 * (33_856 + 2 * 12_704)
+    expected = {
+        "ddp": Memory(4 * P, 8 * P, adamw, activations),
+        "zero": Memory(4 * P, 8 * P, adamw / 8, activations),
+        "fsdp": Memory(4 * P / 8 + gathered, 4 * P / 8 + 4 * P, adamw / 8, activations),
+    }
+    terms = lambda m: pytest.approx(dataclasses.asdict(m), rel=1e-12)  # noqa: E731
+    for strategy, eight in expected.items():
+        assert dataclasses.asdict(memory(cfg, strategy, 1, 4, checkpointed=False)) == terms(alone)
+        assert dataclasses.asdict(memory(cfg, strategy, 8, 4, checkpointed=False)) == terms(eight)
+        p = plan(cfg, strategy, Hardware(gpus=4, nodes=2))  # world = GPUs x nodes
+        assert dataclasses.asdict(p.memory) == terms(eight) and p.accumulation == 2
+        assert p.checkpointed.activations == pytest.approx(checkpointed, rel=1e-12)
+
+
+def test_8_gpus_taking_the_whole_step_at_once_and_a_rotary_block_by_hand():
+    # 1,024 tokens a step on 8 GPUs of 4 x 32: one micro-step, so fsdp keeps no unsharded gradients, and the
+    # largest micro-batch is each GPU's whole share (4), not a size of the step on one GPU.
+    cfg = load_config("tiny", ["model.vocab_size=1000", "train.dtype=bfloat16", "train.batch_tokens=1024"])
+    P = cfg.model.num_weights
+    p = plan(cfg, "fsdp", Hardware(gpus=8))
+    assert (p.accumulation, p.largest_micro_batch, p.memory.grads) == (1, 4, 4 * P / 8)
+    assert plan(cfg, "ddp", Hardware(gpus=8)).largest_micro_batch == 4
+    # Rotary with QK-norm and SwiGLU (MLP 128 a branch): attention 448 + q and k again 2·2·32 = 576, the MLP's
+    # input 192 and inner 2·3·128 = 768: 1,536 a block.
+    modern = ["model.position=rotary", "model.qk_norm=true", "model.norm=rmsnorm", "model.mlp=swiglu"]
+    rotary = load_config("tiny", ["model.vocab_size=1000", "train.dtype=bfloat16", *modern])
+    assert rotary.model.hidden_size == 128
+    activations = 1.18 * ((2 * 1_536 + 320) * 128 + 4 * 32 * 128)
+    assert memory(rotary, "ddp", 1, 4, checkpointed=False).activations == pytest.approx(activations, rel=1e-12)
+
+
 def test_the_largest_micro_batch_fits_divides_the_batch_and_the_next_size_does_not_fit():
     cfg = load_config("gpt2-124m", ["train.dtype=bfloat16"])
     hardware = Hardware(gpus=2, memory_gib=40)
@@ -46,6 +95,14 @@ def test_the_time_is_the_tokens_flops_at_the_stated_mfu():
     wall, gpu_hours = hours(cfg, Hardware(gpus=8, mfu=0.382))
     measured = cfg.train.max_steps * cfg.train.batch_tokens / 473_805 / 3600  # one H100's tokens/s at 38.2% MFU
     assert abs(wall * 8 / measured - 1) < 0.01 and gpu_hours == pytest.approx(wall * 8)
+
+
+def test_an_absurd_time_prints_a_short_figure():
+    cfg = load_config("gpt2-124m")
+    time = lambda mfu: format_report(report(cfg, "gpt2-124m", Hardware(mfu=mfu))).splitlines()[-2]  # noqa: E731
+    assert time(0.382).startswith("time: 5.9 h (5.9 GPU-hours) at 38.2% MFU of 989.4 TFLOP/s;")
+    assert time(0.001).startswith("time: 2,240.4 h (2,240.4 GPU-hours) at 0.1% MFU")
+    assert time(1e-300).startswith("time: 2.24e+300 h (2.24e+300 GPU-hours) at 1e-298% MFU")  # not 301 digits
 
 
 def test_train_refuses_a_micro_batch_its_gpu_cannot_hold_in_one_line():

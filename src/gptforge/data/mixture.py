@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -26,6 +27,12 @@ from gptforge.data.loader import TokenLoader, check_seq_len
 from gptforge.data.shards import read_manifest
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
+
+# A weight is a plain decimal of at most 24 characters with an exponent of at most two digits: exact as a Fraction,
+# and bounded, as `1e1000000000` (a billion-digit integer to build) or `1e-4400` (a share whose text passes Python's
+# 4,300-digit limit when the loader's state is saved) would not be.
+WEIGHT = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,2})?")
+WEIGHT_CHARS = 24
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,12 @@ def parse_mix(items: list[str]) -> list[Source]:
         path, eq, weight = (part.strip() for part in item.rpartition("="))
         if not eq or not path:
             raise GptforgeError(f"data.mix: {item!r} (expected FOLDER=WEIGHT, e.g. data/code=0.7)")
-        try:
-            value = Fraction(weight)
-        except (ValueError, ZeroDivisionError):
-            value = Fraction(0)
+        value = Fraction(weight) if len(weight) <= WEIGHT_CHARS and WEIGHT.fullmatch(weight) else Fraction(0)
         if value <= 0:
-            raise GptforgeError(f"data.mix: {item!r} has weight {weight!r} (expected a positive number)")
+            raise GptforgeError(
+                f"data.mix: {item!r} has weight {weight!r} (expected a positive number written as a decimal such as "
+                f"0.7, 3 or 2.5e-3: at most {WEIGHT_CHARS} characters, an exponent of at most two digits)"
+            )
         entries.append((Path(os.path.abspath(path)).name, path, weight, value))
     for i, (name, path, _, _) in enumerate(entries):
         for other_name, other, _, _ in entries[:i]:
@@ -83,7 +90,8 @@ def open_mix(sources: list[Source]) -> tuple[Tokenizer, list[dict[str, Any]]]:
         if first != this or not same_tokenizer(tokenizers[0], tokenizers[-1]):
             raise GptforgeError(
                 f"data.mix: {source.path} was prepared with tokenizer {this}, {sources[0].path} with "
-                f"{'another ' if first == this else ''}{first}; prepare every folder of a mix with the same tokenizer"
+                f"{'another ' if first == this else ''}{first}; every folder of a mix needs the same tokenizer: "
+                f"prepare {source.path}'s corpus again with --tokenizer {tokenizers[0].path or tokenizers[0].name}"
             )
     return tokenizers[0], manifests
 

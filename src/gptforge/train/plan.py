@@ -250,8 +250,14 @@ def format_report(r: dict) -> str:
             f"{p['largest_micro_batch']:>7}  {p['accumulation']:>5}{verdict}"
         )
     lines.append(
-        f"time: {r['hours']:,.1f} h ({r['gpu_hours']:,.1f} GPU-hours) at {hw['mfu']:.0%} MFU of "
+        f"time: {_hours(r['hours'])} h ({_hours(r['gpu_hours'])} GPU-hours) at {hw['mfu'] * 100:g}% MFU of "
         f"{hw['peak_tflops']:g} TFLOP/s; ckpt = with model.activation_checkpointing=true"
     )
     lines.append("checked: within 15% of the peaks measured on one H100 in bf16; several GPUs not measured yet")
     return "\n".join(lines)
+
+
+def _hours(h: float) -> str:
+    """Hours with thousands separators, or in powers of ten past a million (an absurd budget or MFU prints a short
+    figure, not hundreds of digits)."""
+    return f"{h:,.1f}" if h < 1e6 else f"{h:.3g}"
