@@ -7,6 +7,7 @@ import pytest
 
 from gptforge.data.chat import with_chat
 from gptforge.data.chat_prepare import ChatSettings, prepare_chat, read_mask
+from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest, read_shard, verify_shard
 from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.errors import GptforgeError
@@ -86,3 +87,23 @@ def test_a_damaged_mask_is_named(tmp_path):
     np.save(tmp_path / "w.npy", np.zeros(4, dtype=np.uint8))
     with pytest.raises(GptforgeError, match="expected 3 uint8 mask values"):
         read_mask(tmp_path / "w.npy", 3)
+
+
+def test_the_loader_packs_whole_conversations_and_learns_only_the_replies(tmp_path):
+    rows = [_turns(("user", f"Question {i}?" + " more" * (i % 4)), ("assistant", f"Answer {i}.")) for i in range(30)]
+    rows.append(_turns(("user", "long " * 80), ("assistant", "cut off")))
+    src = _write(tmp_path / "chats.jsonl", rows)
+    prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
+    loader = TokenLoader(tmp_path / "out", "train", batch_size=1, seq_len=48, shuffle=False)
+    tok = with_chat(GPT2Tokenizer())
+    seen = []
+    for w in range(loader.n_windows):
+        x, y = loader.batch([w])
+        tokens = np.asarray(loader.window(w))
+        assert tokens[0] == tok.im_start and len(tokens) == 49  # each window starts a conversation
+        keep = (y[0] >= 0).numpy()
+        assert (y[0].numpy()[keep] == tokens[1:][keep]).all() and (x[0].numpy() == tokens[:-1]).all()
+        learned = y[0].numpy()[keep]
+        seen += [t for t in tok.decode(learned).split("<|im_end|>") if t]
+    assert seen == [f"Answer {i}." for i in range(30)]  # every reply once, whole; the 80-word request is cut
+    assert loader.spans[-1, 1] == 49 and loader.n_windows < 30

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gptforge.data.chat_prepare import read_mask
 from gptforge.data.fim import FIM
 from gptforge.data.shards import read_manifest, read_shard, verify_shard
 from gptforge.errors import GptforgeError
@@ -72,14 +73,25 @@ class TokenLoader:
         self.manifest = manifest = read_manifest(data_dir)
         if split == "val" and rank == 0 and "dedup" not in manifest.get("settings", {"dedup": None}):
             print(UNDEDUPLICATED.format(data_dir=data_dir), flush=True)
-        vocab = manifest["tokenizer"]["vocab_size"]
+        chat = manifest.get("chat")
+        vocab = manifest["tokenizer"]["vocab_size"] + (len(chat["special_tokens"]) if chat else 0)
+        self.eot = manifest["tokenizer"].get("eot")
         entries = [s for s in manifest["shards"] if s["split"] == split]
         self.shards = [read_shard(Path(data_dir) / s["file"], vocab) for s in entries]
-        self.verifier = ShardVerifier([(Path(data_dir) / s["file"], s["sha256"]) for s in entries if "sha256" in s])
+        # A chat folder's loss masks, one per shard: only the assistant's tokens are learned.
+        self.masks = None
+        if chat:
+            self.masks = [
+                read_mask(Path(data_dir) / s["mask"], len(t)) for s, t in zip(entries, self.shards, strict=True)
+            ]
+        checks = [(s["file"], s["sha256"]) for s in entries if "sha256" in s]
+        checks += [(s["mask"], s["mask_sha256"]) for s in entries if chat and "mask_sha256" in s]
+        self.verifier = ShardVerifier([(Path(data_dir) / name, sha) for name, sha in checks])
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle = seed, shuffle
-        self.n_windows = max(0, (int(self.offsets[-1]) - 1) // seq_len)
+        self.spans = None if chat is None else pack_conversations(self.shards, self.offsets, self.eot, seq_len + 1)
+        self.n_windows = max(0, (int(self.offsets[-1]) - 1) // seq_len) if self.spans is None else len(self.spans)
         unit = batch_size * world_size
         unit = step_windows if step_windows % unit == 0 and unit <= step_windows <= self.n_windows else unit
         self.batches_per_epoch = self.n_windows // unit * unit // (batch_size * world_size)
@@ -102,18 +114,31 @@ class TokenLoader:
             return np.arange(self.n_windows)
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
-    def window(self, w: int) -> np.ndarray:
-        """Window `w`'s T+1 tokens."""
-        start, end = w * self.T, w * self.T + self.T + 1
+    def window(self, w: int, arrays: list[np.ndarray] | None = None) -> np.ndarray:
+        """Window `w`'s T+1 tokens (or, given the masks as `arrays`, their mask values). A chat folder's windows
+        hold whole conversations, padded with EOT (outside the loss) to T+1."""
+        if self.spans is not None:
+            start, length = (int(v) for v in self.spans[w])
+            piece = self._slice(start, start + length, self.shards if arrays is None else arrays)
+            pad = 0 if arrays is not None else self.eot
+            return np.concatenate([piece, np.full(self.T + 1 - length, pad, dtype=piece.dtype)])
+        return self._slice(w * self.T, w * self.T + self.T + 1, self.shards if arrays is None else arrays)
+
+    def _slice(self, start: int, end: int, arrays: list[np.ndarray]) -> np.ndarray:
+        """Tokens `start:end` of the split's stream, across shard boundaries."""
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1
         pieces = []
         while start < end:
             take = min(end, int(self.offsets[i + 1])) - start
             local = start - int(self.offsets[i])
-            pieces.append(self.shards[i][local : local + take])
+            pieces.append(arrays[i][local : local + take])
             start += take
             i += 1
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def chat_targets(self, w: int, tokens: np.ndarray) -> np.ndarray:
+        """Window `w`'s targets with -1 where the loss does not count: outside the assistant's replies."""
+        return np.where(self.window(w, self.masks)[1:].astype(bool), tokens[1:], -1)
 
     def served(self, w: int, epoch: int) -> np.ndarray:
         """Window `w` as epoch `epoch` serves it: rearranged for fill-in-the-middle when the loader has `fim`."""
@@ -133,7 +158,10 @@ class TokenLoader:
         """(x, y) for the given window indices; y is x shifted by one token."""
         self.verifier.check()
         buf = torch.from_numpy(np.stack([self.served(int(w), self.epoch) for w in windows]).astype(np.int64))
-        return buf[:, :-1], buf[:, 1:]
+        if self.masks is None:
+            return buf[:, :-1], buf[:, 1:]
+        targets = np.stack([self.chat_targets(int(w), row.numpy()) for w, row in zip(windows, buf, strict=True)])
+        return buf[:, :-1], torch.from_numpy(targets)
 
     def verify(self) -> None:
         """Wait until every shard of the split is checked; raise on a mismatch."""
@@ -182,3 +210,27 @@ def check_seq_len(state: dict[str, Any], seq_len: int) -> None:
             f"cannot resume the data position: saved with windows of {state['seq_len']} tokens, now {seq_len} "
             "(model.block_size)"
         )
+
+
+def pack_conversations(shards: list[np.ndarray], offsets: np.ndarray, eot: int, size: int) -> np.ndarray:
+    """(start, length) in the stream of each window of whole conversations (each ends with EOT), packed in order
+    while they fit `size` tokens; a longer conversation gets a window of its own, cut at `size`."""
+    ends = np.concatenate(
+        [np.flatnonzero(np.asarray(s) == eot) + int(o) for s, o in zip(shards, offsets, strict=False)]
+    )
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    spans, start, fill = [], 0, 0
+    for begin, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        length = end - begin + 1
+        if fill and (fill + length > size or begin != start + fill):
+            spans.append((start, fill))
+            fill = 0
+        if not fill:
+            start = begin
+        if length >= size:
+            spans.append((begin, size))
+            continue
+        fill += length
+    if fill:
+        spans.append((start, fill))
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
