@@ -11,6 +11,7 @@ from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.files import check_output_dir, locked, replacing_dir, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
@@ -42,7 +43,8 @@ def run_demo(
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir])
-    prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)  # reused when unchanged
+    stdlib = PrepareSettings.from_flags("stdlib", val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
+    prepare(stdlib, data_dir)  # reused when unchanged
     with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import read_manifest
 from gptforge.demo import VAL_FRACTION, VOCAB_SIZE
 from gptforge.errors import GptforgeError
@@ -97,7 +98,7 @@ def speedrun(
         read_manifest(data_dir)  # a folder that is not prepared data fails here, before OUT exists
     check_output_dir(out_dir, force, reads=[data_dir])
     if data is None:  # the demo's corpus, prepared once and reused
-        prepare("stdlib", data_dir, val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
+        prepare(PrepareSettings.from_flags("stdlib", val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE), data_dir)
     with locked(out_dir, "speedrun"), replacing_dir(out_dir) as work:
         first = next(iter(configs.values())).train.seed
         results = [_one_seed(first + i, configs, recipes, budget, work) for i in range(seeds)]

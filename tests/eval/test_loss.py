@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.eval.loss import evaluate_loss
 from gptforge.model.gpt import GPT, GPTConfig
@@ -18,7 +19,8 @@ def test_all_zero_logits_give_ln_v_and_the_exact_bits_per_byte(tmp_path):
     corpus.mkdir()
     for i in range(40):  # identical documents: every split has the same tokens-per-byte ratio
         (corpus / f"doc_{i:02d}.txt").write_text(DOC * 3, encoding="utf-8")
-    prepare(str(corpus), tmp_path / "data", val_fraction=0.25, workers=1, dedup="none")  # copies kept on purpose
+    settings = PrepareSettings.from_flags(str(corpus), val_fraction=0.25, dedup="none")  # copies kept on purpose
+    prepare(settings, tmp_path / "data", workers=1)
     tok = load_tokenizer("gpt2")
     tokens_per_doc = len(tok.encode(DOC * 3)) + 1  # each document ends with EOT
     bytes_per_doc = len((DOC * 3).encode("utf-8"))

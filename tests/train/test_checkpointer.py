@@ -12,6 +12,7 @@ from gptforge.checkpoint import latest_checkpoint, load_checkpoint, prune_checkp
 from gptforge.cli import main
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.errors import GptforgeError
 from gptforge.rundir import CONFIG, read_metrics
 from gptforge.train.trainer import train
@@ -255,11 +256,11 @@ def test_a_run_never_starts_in_the_data_or_among_other_files_but_retries_a_faile
 
 def test_resuming_on_data_whose_content_changed_says_so(corpus_dir, tmp_path):
     data = tmp_path / "data"
-    prepare(str(corpus_dir), data, val_fraction=0.1, shard_tokens=2000, workers=1)
+    prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, shard_tokens=2000), data, workers=1)
     run = tmp_path / "run"
     train(tiny(data, "train.max_steps=2"), run)
     other = write_corpus(tmp_path / "other", n_files=30)
     (other / "extra.py").write_text("print('different text')\n" * 50)
-    prepare(str(other), data, val_fraction=0.1, shard_tokens=2000, workers=1, force=True)
+    prepare(PrepareSettings.from_flags(str(other), val_fraction=0.1, shard_tokens=2000), data, workers=1, force=True)
     with pytest.warns(UserWarning, match=r"is not what .*step_000002 trained on \(its shards differ\)"):
         train(tiny(data, "train.max_steps=3"), run, resume="auto")

@@ -121,3 +121,21 @@ def test_muon_is_torchs_in_bf16_and_orthogonalises_in_fp32_when_asked():
         d: build_optimizer(modern_model(), OptimConfig(optimizer="muon"), "cpu", dtype=d).muon.dtype for d in DTYPES
     }
     assert precision == {torch.bfloat16: torch.bfloat16, torch.float32: torch.float32, torch.float64: torch.float32}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_with_lora_the_optimizer_holds_and_steps_the_adapters_alone_without_decay(optimizer):
+    from gptforge.model.lora import TARGETS, LoRASpec, apply_lora
+
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    apply_lora(model, LoRASpec(rank=2, alpha=4, dropout=0.0, targets=TARGETS))
+    opt = build_optimizer(model, OptimConfig(optimizer=optimizer, weight_decay=0.1), "cpu")
+    adapters = {id(p) for n, p in model.named_parameters() if ".lora_" in n}
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert {id(p) for p in held} == adapters and len(held) == 16
+    assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if g["params"])
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
+    model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))[1].backward()
+    opt.step()
+    assert {id(p) for p in opt.state} == adapters  # a plain AdamW: Muon has no matrix left to train  # optimizer state for the adapters alone
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if ".lora_" not in n)

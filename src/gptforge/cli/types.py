@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+
+# Flags whose value may start with '-' (`--ext -md` drops a kind): argparse would read such a value as a flag.
+DASH_VALUE_FLAGS = ("--ext",)
 
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `gptforge train: error: ... (see --help)`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        for i in range(len(args) - 1, 0, -1):  # from the end: joining two items leaves earlier indexes valid
+            if args[i - 1] in DASH_VALUE_FLAGS and str(args[i]).startswith("-"):
+                args[i - 1 : i + 1] = [f"{args[i - 1]}={args[i]}"]
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -10,6 +10,7 @@ from typing import Any
 from gptforge.config.sections import PARALLEL, SCHEDULES, Config
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
+from gptforge.model.lora import TARGETS as LORA_TARGETS
 from gptforge.runtime import DTYPE_NAMES
 
 
@@ -71,6 +72,13 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.dist_timeout": _POSITIVE,
     "train.peak_flops": _at_least(0),
     "train.threads": _at_least(0),
+    "train.lora_rank": _within(0, 2**12, high_ok=True),
+    "train.lora_alpha": _POSITIVE,
+    "train.lora_dropout": _within(0, 1),
+    "train.lora_targets": (
+        (lambda v: bool(v) and set(v.split(",")) <= set(LORA_TARGETS)),
+        f"a comma-separated subset of {','.join(LORA_TARGETS)}",
+    ),
     "eval.every": _at_least(0),
     "eval.tokens": _at_least(1),
     "eval.hellaswag_limit": _at_least(0),
@@ -115,6 +123,8 @@ def _combination_problem(cfg: Config) -> str | None:
         return str(e)
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
+    if cfg.train.lora_rank and not cfg.train.init_from:
+        return "train.lora_rank needs train.init_from: adapters fine-tune a trained model's frozen weights"
     if cfg.train.parallel == "fsdp" and cfg.train.zero:
         return "train.zero=true with train.parallel=fsdp: FSDP already shards the optimizer's state; drop train.zero"
     if cfg.train.parallel == "fsdp" and cfg.optim.optimizer == "muon":

@@ -102,6 +102,15 @@ class TrainConfig:
     """Peak FLOP/s of one device for MFU (0: from the GPU table, or a matmul probe on CPU)."""
     init_from: str = ""
     """Checkpoint whose weights start the run (e.g. from `gptforge import`); its model section replaces ours."""
+    lora_rank: int = 0
+    """Train low-rank adapters of this rank on lora_targets, every base weight frozen (0: train every weight)."""
+    lora_alpha: float = 16.0
+    """LoRA's scale: each adapter's update is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapted layer's input to its adapter."""
+    lora_targets: str = "attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj"
+    """Comma-separated linear layers that get adapters (model/lora.py's TARGETS): attention's fused qkv and output,
+    the MLP's two projections."""
 
 
 @dataclass

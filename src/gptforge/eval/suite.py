@@ -8,6 +8,7 @@ from typing import Any
 
 from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.tokenizer import check_data_tokenizer, data_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.eval.code import CodeScores, evaluate_code, format_code
@@ -82,7 +83,9 @@ def _text_loss(run: Inference, text: str, batch_size: int, max_tokens: int) -> d
     """Loss on a text/code SOURCE, tokenized with the checkpoint's own tokenizer, every document scored."""
     tok, T = run.tokenizer, run.cfg.model.block_size
     with tempfile.TemporaryDirectory(prefix="gptforge-eval-") as tmp:
-        manifest = prepare(text, tmp, tokenizer=str(tok.path or tok.name), val_fraction=0.0, workers=1)
+        manifest = prepare(
+            PrepareSettings.from_flags(text, tokenizer=str(tok.path or tok.name), val_fraction=0.0), tmp, workers=1
+        )
         tokens = manifest["splits"]["train"]["tokens"]
         if tokens <= batch_size * T:  # the loader would refuse too, naming the temp folder, gone by then
             raise GptforgeError(

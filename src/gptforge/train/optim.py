@@ -20,17 +20,19 @@ def build_optimizer(
     across the processes of the (initialized) process group. optim.optimizer=muon gives the blocks' matrices to
     Muon, orthogonalising in bf16 for bf16 runs and fp32 otherwise, and the rest (embeddings, lm_head, gains,
     biases) to AdamW."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    muon = [p for n, p in named if cfg.optimizer == "muon" and p.dim() == 2 and ".h." in f".{n}"]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: the adapters alone
+    hidden = [(n, p) for n, p in named if p.dim() == 2 and ".h." in f".{n}" and ".lora_" not in n]
+    muon = [p for _, p in hidden] if cfg.optimizer == "muon" else []
     taken = {id(p) for p in muon}
-    rest = [p for _, p in named if id(p) not in taken]
+    rest = [(n, p) for n, p in named if id(p) not in taken]
+    # Adapters are not decayed (as PEFT's recipes): decay would pull B A, the update itself, towards zero.
     groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in rest if p.dim() >= 2 and ".lora_" not in n], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in rest if p.dim() < 2 or ".lora_" in n], "weight_decay": 0.0},
     ]
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **({"fused": True} if fused else {})}
-    if cfg.optimizer == "muon":
+    if muon:  # LoRA's adapters leave Muon nothing: AdamW alone trains them
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         hidden = Muon(muon, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, dtype=ns_dtype)
         return MuonAdamW(hidden, torch.optim.AdamW(groups, **kwargs), cfg.muon_lr / cfg.lr)
