@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gptforge.data.fim import FIM_TEXTS
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 
@@ -74,6 +75,18 @@ class ChatTokenizer(Tokenizer):
             out += [self.base.decode(run), CHAT_TEXTS[i - self.base.vocab_size]]
             run = []
         return "".join(out) + self.base.decode(run)
+
+
+def added_tokens(tokenizer: Tokenizer) -> dict[int, str]:
+    """Every special token a tokenizer appends past its base vocabulary (FIM's sentinels, the chat template's), by
+    id: what exports declare as added tokens."""
+    found: dict[int, str] = {}
+    while hasattr(tokenizer, "base"):
+        base = tokenizer.base
+        texts = CHAT_TEXTS if isinstance(tokenizer, ChatTokenizer) else FIM_TEXTS
+        found.update({base.vocab_size + i: t for i, t in enumerate(texts)})
+        tokenizer = base
+    return dict(sorted(found.items()))
 
 
 def with_chat(tokenizer: Tokenizer) -> ChatTokenizer:

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
-from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
+from gptforge.data.chat import CHAT_TEMPLATE, ChatTokenizer, added_tokens
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, read_text, usual_mode, write_json
@@ -145,10 +145,12 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> N
         shutil.copyfile(tokenizer.path, out / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
     config["model_max_length"] = max_length
-    if isinstance(tokenizer, FIMTokenizer):  # the sentinels past the vocabulary, as transformers adds tokens
-        fim = dict(zip(vars(tokenizer.sentinels).values(), FIM_TEXTS, strict=True))
-        config["added_tokens_decoder"] = {str(i): {"content": t, "special": True} for i, t in sorted(fim.items())}
-        config["additional_special_tokens"] = list(FIM_TEXTS)
+    added = added_tokens(tokenizer)  # FIM's sentinels and the chat template's tokens, as transformers adds tokens
+    if added:
+        config["added_tokens_decoder"] = {str(i): {"content": t, "special": True} for i, t in added.items()}
+        config["additional_special_tokens"] = list(added.values())
+    if isinstance(tokenizer, ChatTokenizer):  # apply_chat_template then gives our ids; a reply ends at <|im_end|>
+        config["chat_template"] = CHAT_TEMPLATE
     write_json(out / "tokenizer_config.json", config)
     write_json(out / "special_tokens_map.json", special)
 
@@ -162,7 +164,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
     config = hf_config(cfg, tokenizer.eot) if gpt2 else modern.hf_config(cfg, tokenizer.eot)  # refusals come first
     with building_dir(out) as tmp:
         write_json(tmp / "config.json", config)
-        write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot, "eos_token_id": tokenizer.eot})
+        write_json(tmp / "generation_config.json", {"bos_token_id": tokenizer.eot, "eos_token_id": end_ids(tokenizer)})
         weights = to_hf_state_dict(model) if gpt2 else modern.to_hf_state_dict(model)
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         usual_mode(tmp / "model.safetensors")
@@ -274,3 +276,8 @@ def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> Tokenizer:
             f"{tokenizer.vocab_size:,} tokens (expected at least as many)"
         )
     return tokenizer
+
+
+def end_ids(tokenizer: Tokenizer) -> int | list[int]:
+    """The ids `generate` stops at: EOT, and a chat model's <|im_end|> (the end of its reply)."""
+    return [tokenizer.eot, tokenizer.im_end] if isinstance(tokenizer, ChatTokenizer) else tokenizer.eot

@@ -1,0 +1,56 @@
+"""A chat model's Hugging Face export: apply_chat_template gives our ids, transformers generates our greedy reply."""
+
+import pytest
+import torch
+
+from gptforge.data.chat import Message, format_chat, with_chat
+from gptforge.data.fim import with_fim
+from gptforge.data.tokenizer import GPT2Tokenizer
+from gptforge.hub.convert import export_hf
+from gptforge.model.generate import generate
+from gptforge.model.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+
+MESSAGES = [
+    Message("system", "You write Python."),
+    Message("user", "Write `add(a, b)`.\nAdd two numbers."),
+    Message("assistant", "def add(a, b):\n    return a + b"),
+    Message("user", "  And subtract?  "),
+]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    torch.manual_seed(0)
+    tok = with_chat(with_fim(GPT2Tokenizer(), 0.5))  # chat tokens after FIM's sentinels: both declared
+    model = GPT(GPTConfig(block_size=96, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    out = export_hf(model, tok, tmp_path_factory.mktemp("hf") / "chat")
+    return model, tok, out
+
+
+def test_apply_chat_template_gives_our_ids(exported):
+    _, tok, out = exported
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    rows = [{"role": m.role, "content": m.content} for m in MESSAGES]
+    for prompt in (True, False):
+        ours = format_chat(tok, MESSAGES, add_generation_prompt=prompt).ids.tolist()
+        theirs = hf_tok.apply_chat_template(rows, add_generation_prompt=prompt, tokenize=True, return_dict=False)
+        assert list(theirs) == ours
+    assert hf_tok.convert_ids_to_tokens([tok.im_start, tok.im_end, tok.sentinels.prefix]) == [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|fim_prefix|>",
+    ]
+
+
+def test_transformers_generates_our_greedy_reply(exported):
+    model, tok, out = exported
+    prompt = format_chat(tok, MESSAGES, add_generation_prompt=True).ids.tolist()
+    ours = generate(model, prompt, 24, temperature=0.0, eot=tok.im_end)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
+    assert hf.generation_config.eos_token_id == [tok.eot, tok.im_end]
+    end = theirs.index(tok.im_end) if tok.im_end in theirs else len(theirs)
+    assert theirs[:end] == ours and len(ours) > 0
