@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gptforge.data.loader import TokenLoader
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.sources import stdlib_documents
 
 
@@ -33,7 +34,7 @@ def main() -> None:
         for workers in sorted({1, cores}):
             out = Path(tmp) / f"w{workers}"
             t = time.perf_counter()
-            m = prepare("stdlib", out, tokenizer=args.tokenizer, workers=workers)
+            m = prepare(PrepareSettings.from_flags("stdlib", tokenizer=args.tokenizer), out, workers=workers)
             seconds = time.perf_counter() - t
             mb = sum(s["bytes"] for s in m["splits"].values()) / 1e6
             tokens = sum(s["tokens"] for s in m["splits"].values())
@@ -49,7 +50,9 @@ def main() -> None:
             for _name, text in stdlib_documents():
                 f.writelines(json.dumps({"text": text[i : i + 600]}) + "\n" for i in range(0, len(text), 600))
         t, cpu = time.perf_counter(), time.process_time()
-        m = prepare(str(small), Path(tmp) / "small", tokenizer=args.tokenizer, workers=cores)
+        m = prepare(
+            PrepareSettings.from_flags(str(small), tokenizer=args.tokenizer), Path(tmp) / "small", workers=cores
+        )
         seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
         docs = sum(s["docs"] for s in m["splits"].values())
         print(

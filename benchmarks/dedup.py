@@ -28,6 +28,7 @@ from gptforge.data.filters import build_filters
 from gptforge.data.languages import parse_extensions
 from gptforge.data.pipeline import Job, judge
 from gptforge.data.prepare import is_validation, prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.report import Report
 from gptforge.data.sources import documents, resolve, stdlib_documents
 
@@ -91,8 +92,9 @@ def planted(originals: int, seed: int, workers: int) -> dict:
                 (folder / f"a_{i:04d}.py").write_text(text)
             for i, text in enumerate(texts):  # named after the originals: the original is the one kept
                 (folder / f"z_{i:04d}.py").write_text(text)
-            m = prepare(str(folder), Path(tmp) / kind.replace("%", "pct").replace(" ", "_").replace(",", ""),
-                        val_fraction=0, workers=workers, force=True)  # fmt: skip
+            settings = PrepareSettings.from_flags(str(folder), val_fraction=0)
+            dest = Path(tmp) / kind.replace("%", "pct").replace(" ", "_").replace(",", "")
+            m = prepare(settings, dest, workers=workers, force=True)
             stages = m["report"]["stages"]
             removed = stages["exact duplicates"]["docs"] + stages["near duplicates"]["docs"]
             rows[kind] = {"planted": len(texts), "removed": removed, "copies": kind in kinds}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 
 # Tests run on the CPU even where a GPU is visible (subprocesses inherit this): the same numbers on every machine.
 # GPTFORGE_GPU_TESTS=1 keeps the GPU for tests/gpu (which a CPU-only machine skips) and runs nothing else.
@@ -63,5 +64,5 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory, corpus_dir) -> Path:
     out = tmp_path_factory.mktemp("data")
-    prepare(str(corpus_dir), out, val_fraction=0.1, shard_tokens=2000, workers=2)
+    prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, shard_tokens=2000), out, workers=2)
     return out

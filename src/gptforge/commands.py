@@ -14,31 +14,31 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from gptforge.data.dedup import DedupSettings
     from gptforge.data.engine import EngineSettings
     from gptforge.data.prepare import prepare, summarize
+    from gptforge.data.prepare_settings import PrepareSettings
 
-    manifest = prepare(
+    dedup = DedupSettings(
+        mode=args.dedup,
+        shingle=args.dedup_shingle,
+        hashes=args.dedup_hashes,
+        bands=args.dedup_bands,
+        threshold=args.dedup_threshold,
+    )
+    settings = PrepareSettings.from_flags(
         args.source,
-        args.out,
         tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,
-        workers=args.workers,
         text_field=args.text_field,
-        train_tokenizer=args.train_tokenizer,
         decontaminate=args.decontaminate,
         seed=args.seed,
-        force=args.force,
-        dedup=DedupSettings(
-            mode=args.dedup,
-            shingle=args.dedup_shingle,
-            hashes=args.dedup_hashes,
-            bands=args.dedup_bands,
-            threshold=args.dedup_threshold,
-        ),
+        dedup=dedup,
         clean=args.clean,
         clean_set=args.clean_set,
         ext=args.ext,
-        engine=EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time),
     )
+    engine = EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time)
+    manifest = prepare(settings, args.out, workers=args.workers, force=args.force, engine=engine)
     print(summarize(manifest, args.out))
 
 

@@ -11,6 +11,7 @@ import pytest
 from gptforge.cli import main
 from gptforge.data.engine import EngineSettings
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.errors import GptforgeError
 
 pytest.importorskip("datatrove")
@@ -37,14 +38,14 @@ def _result(m):
 
 @pytest.mark.slow
 def test_datatrove_tasks_write_the_local_engine_s_shards_byte_for_byte(planted, tmp_path):
-    args = {"val_fraction": 0.2, "shard_tokens": 2000, "clean": "code", "workers": 1}
-    local = prepare(str(planted), tmp_path / "local", **args)
+    settings = PrepareSettings.from_flags(str(planted), val_fraction=0.2, shard_tokens=2000, clean="code")
+    local = prepare(settings, tmp_path / "local", workers=1)
     stages = local["report"]["stages"]
     assert stages["exact duplicates"]["docs"] == 1 and stages["near duplicates"]["docs"] == 1
     assert stages["filtered"]["docs"] == 1 and len(local["shards"]) > 2
     assert stages["binary skipped"]["docs"] == 1 and stages["undecodable skipped"]["docs"] == 1
     for tasks in (1, 3):
-        m = prepare(str(planted), tmp_path / f"dt{tasks}", engine=EngineSettings("datatrove", tasks), **args)
+        m = prepare(settings, tmp_path / f"dt{tasks}", workers=1, engine=EngineSettings("datatrove", tasks))
         assert _result(m) == _result(local), tasks
         assert sorted(p.name for p in (tmp_path / f"dt{tasks}").iterdir()) == sorted(
             p.name for p in (tmp_path / "local").iterdir()
@@ -76,16 +77,16 @@ def test_a_datatrove_run_stopped_midway_reruns_only_its_unfinished_tasks(planted
     dt = EngineSettings("datatrove", 2)
     monkeypatch.setattr("gptforge.data.prepare.datatrove_outcomes", killed_after_the_tasks)
     with pytest.raises(KeyboardInterrupt):
-        prepare(str(planted), out, val_fraction=0.2, workers=1, engine=dt)
+        prepare(PrepareSettings.from_flags(str(planted), val_fraction=0.2), out, workers=1, engine=dt)
     before = {p.name: p.stat().st_mtime_ns for p in work.glob("0000*.jsonl")}
     assert sorted(before) == ["00000.jsonl", "00001.jsonl"]
     (work / "00001.jsonl").unlink()  # as if task 1 had died before finishing
     (work / "logs" / "completions" / "00001").unlink()
     monkeypatch.setattr("gptforge.data.prepare.datatrove_outcomes", watched)
-    m = prepare(str(planted), out, val_fraction=0.2, workers=1, engine=dt)
+    m = prepare(PrepareSettings.from_flags(str(planted), val_fraction=0.2), out, workers=1, engine=dt)
     assert seen[0]["00000.jsonl"] == before["00000.jsonl"] and "00001.jsonl" in seen[0]  # only task 1 ran again
     assert not work.exists()
-    local = prepare(str(planted), tmp_path / "local", val_fraction=0.2, workers=1)
+    local = prepare(PrepareSettings.from_flags(str(planted), val_fraction=0.2), tmp_path / "local", workers=1)
     assert _result(m) == _result(local)
 
 
@@ -98,6 +99,9 @@ def test_engine_flags_that_cannot_work_are_one_line(tmp_path, capsys, monkeypatc
         (["--engine", "datatrove", "--tasks", "0"], "--tasks must be positive, got 0"),
         (["--engine", "datatrove", "--executor", "spark"], "--executor 'spark': expected one of local, ray, slurm"),
         (["--engine", "datatrove", "--executor", "slurm"], "--executor slurm needs --slurm-partition NAME"),
+        (["--tasks", "4"], "--tasks 4: applies to --engine datatrove only"),  # the local engine would ignore them
+        (["--executor", "ray"], "--executor ray: applies to --engine datatrove only"),
+        (["--slurm-partition", "cpu"], "--slurm-partition cpu: applies to --engine datatrove only"),
     ):
         assert main(["prepare", str(src), "--out", str(tmp_path / "out"), *flags]) == 1
         err = capsys.readouterr().err
@@ -108,7 +112,7 @@ def test_engine_flags_that_cannot_work_are_one_line(tmp_path, capsys, monkeypatc
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datatrove" else real(name, *a))
     with pytest.raises(GptforgeError, match=r"--engine datatrove needs datatrove: pip install 'gptforge\[datatrove\]'"):
-        prepare(str(src), tmp_path / "out", engine=EngineSettings("datatrove"))
+        prepare(PrepareSettings.from_flags(str(src)), tmp_path / "out", engine=EngineSettings("datatrove"))
 
 
 def test_on_slurm_the_tasks_are_submitted_and_a_second_command_writes_the_shards(planted, tmp_path, monkeypatch):
@@ -122,7 +126,7 @@ def test_on_slurm_the_tasks_are_submitted_and_a_second_command_writes_the_shards
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     out, slurm = tmp_path / "out", EngineSettings("datatrove", 2, "slurm", "cpu", "01:00:00")
     with pytest.raises(GptforgeError, match=r"2 of 2 datatrove tasks are with Slurm \(job 7; .*run the same command"):
-        prepare(str(planted), out, val_fraction=0.2, workers=1, engine=slurm)
+        prepare(PrepareSettings.from_flags(str(planted), val_fraction=0.2), out, workers=1, engine=slurm)
     script = (out / ".datatrove" / "logs" / "launch_script.slurm").read_text()
     assert "#SBATCH --partition=cpu" in script and "#SBATCH --time=01:00:00" in script and "--array=0-1" in script
     pickled = out / ".datatrove" / "logs" / "executor.pik"
@@ -131,6 +135,6 @@ def test_on_slurm_the_tasks_are_submitted_and_a_second_command_writes_the_shards
         done = subprocess.run([sys.executable, "-m", "datatrove.tools.launch_pickled_pipeline", str(pickled)],
                               env=env, capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-    m = prepare(str(planted), out, val_fraction=0.2, workers=1, engine=slurm)
-    local = prepare(str(planted), tmp_path / "local", val_fraction=0.2, workers=1)
+    m = prepare(PrepareSettings.from_flags(str(planted), val_fraction=0.2), out, workers=1, engine=slurm)
+    local = prepare(PrepareSettings.from_flags(str(planted), val_fraction=0.2), tmp_path / "local", workers=1)
     assert _result(m) == _result(local)

@@ -6,6 +6,7 @@ from tests.helpers import lock_held_elsewhere
 
 import gptforge.data.pipeline as pipeline
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import read_manifest, read_shard
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
@@ -35,7 +36,9 @@ def test_shards_hold_every_document_eot_delimited(corpus_dir, data_dir):
 
 
 def test_split_is_stable(corpus_dir, tmp_path, data_dir):
-    again = prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
+    again = prepare(
+        PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, shard_tokens=2000), tmp_path, workers=1
+    )
     assert again["shards"] == read_manifest(data_dir)["shards"]  # same files, same sha256
 
 
@@ -43,19 +46,19 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "blank.txt").write_text("   \n")
     with pytest.raises(GptforgeError, match="empty corpus"):
-        prepare(str(tmp_path / "src"), tmp_path / "out", workers=1)
+        prepare(PrepareSettings.from_flags(str(tmp_path / "src")), tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()  # found before anything was created
 
 
 def test_missing_source(tmp_path):
     with pytest.raises(GptforgeError, match="no such file or directory"):
-        prepare(str(tmp_path / "nope"), tmp_path / "out", workers=1)
+        prepare(PrepareSettings.from_flags(str(tmp_path / "nope")), tmp_path / "out", workers=1)
 
 
 def test_bad_jsonl_line_is_named(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
     with pytest.raises(GptforgeError, match=r"d\.jsonl:2: expected a JSON object with a string field 'text'"):
-        prepare(str(tmp_path / "d.jsonl"), tmp_path / "out", workers=1)
+        prepare(PrepareSettings.from_flags(str(tmp_path / "d.jsonl")), tmp_path / "out", workers=1)
 
 
 def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path, data_dir):
@@ -64,7 +67,9 @@ def test_trained_tokenizer_is_used_end_to_end(corpus_dir, tmp_path, data_dir):
     from gptforge.model.generate import generate
     from gptforge.train.trainer import train
 
-    m = prepare(str(corpus_dir), tmp_path / "data", val_fraction=0.1, workers=1, train_tokenizer=320)
+    m = prepare(
+        PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, train_tokenizer=320), tmp_path / "data", workers=1
+    )
     assert m["tokenizer"]["name"] == "tokenizer.json" and m["tokenizer"]["vocab_size"] <= 320
     tok = load_tokenizer("tokenizer.json", tmp_path / "data")
     train_stream = read_shard(tmp_path / "data" / "train_000000.bin", tok.vocab_size)
@@ -105,7 +110,9 @@ def test_shards_end_at_document_boundaries(data_dir):
 
 
 def test_second_prepare_is_a_no_op(corpus_dir, data_dir, capsys):
-    again = prepare(str(corpus_dir), data_dir, val_fraction=0.1, shard_tokens=2000, workers=2)
+    again = prepare(
+        PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, shard_tokens=2000), data_dir, workers=2
+    )
     assert "already prepared" in capsys.readouterr().out
     assert again == read_manifest(data_dir)
 
@@ -124,13 +131,15 @@ def test_crashed_prepare_resumes_and_skips_finished_shards(corpus_dir, tmp_path,
     monkeypatch.setattr(prep, "documents", crashing)
     monkeypatch.setattr(pipeline, "BATCH_DOCS", 4)  # the 40 documents before the crash make whole batches
     with pytest.raises(RuntimeError, match="simulated crash"):
-        prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
+        prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, shard_tokens=2000), tmp_path, workers=1)
     progress = json.loads((tmp_path / "progress.json").read_text())
     finished = {s["file"]: (tmp_path / s["file"]).stat().st_mtime_ns for s in progress["shards"]}
     assert finished and not (tmp_path / "manifest.json").exists()
 
     monkeypatch.setattr(prep, "documents", real)
-    resumed = prepare(str(corpus_dir), tmp_path, val_fraction=0.1, shard_tokens=2000, workers=1)
+    resumed = prepare(
+        PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, shard_tokens=2000), tmp_path, workers=1
+    )
     clean = read_manifest(data_dir)
     assert [(s["file"], s["sha256"]) for s in resumed["shards"]] == [(s["file"], s["sha256"]) for s in clean["shards"]]
     assert resumed["splits"] == clean["splits"]
@@ -145,8 +154,12 @@ def test_decontamination_drops_overlapping_training_documents(corpus_dir, tmp_pa
     evals.write_text(
         json.dumps({"ctx": "Some context.", "endings": [words.upper() + "!!", "other"], "label": 0}) + "\n"
     )
-    clean = prepare(str(corpus_dir), tmp_path / "clean", val_fraction=0.1, workers=1)
-    dec = prepare(str(corpus_dir), tmp_path / "dec", val_fraction=0.1, workers=1, decontaminate=[str(evals)])
+    clean = prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1), tmp_path / "clean", workers=1)
+    dec = prepare(
+        PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, decontaminate=[str(evals)]),
+        tmp_path / "dec",
+        workers=1,
+    )
     assert dec["decontamination"]["dropped_docs"] >= 1
     assert dec["splits"]["train"]["docs"] == clean["splits"]["train"]["docs"] - dec["decontamination"]["dropped_docs"]
     tok = load_tokenizer("gpt2")
@@ -168,14 +181,61 @@ def _tiny(root, n=3):
     return root
 
 
+def test_an_out_inside_the_source_is_refused_and_a_data_folder_in_a_source_is_not_read(tmp_path):
+    import shutil
+
+    from gptforge.data.sources import documents
+
+    src = _tiny(tmp_path / "src")
+    with pytest.raises(GptforgeError, match=rf"^--out {src / 'sub'}: inside {src}, which this command reads;"):
+        prepare(
+            PrepareSettings.from_flags(str(src), val_fraction=0), src / "sub", workers=1
+        )  # the next prepare of src would read it
+    assert not (src / "sub").exists()
+    prepare(PrepareSettings.from_flags(str(src), val_fraction=0), tmp_path / "data", workers=1)
+    shutil.move(tmp_path / "data", src / "data")  # put there some other way: its report.md is no training text
+    (src / "notes").mkdir()
+    (src / "notes" / "manifest.json").write_text('{"settings": "of another tool"}')
+    (src / "notes" / "a.md").write_text("read")
+    assert [name for name, _ in documents(str(src))] == ["doc0.txt", "doc1.txt", "doc2.txt", "notes/a.md"]
+
+
+def test_a_changed_corpus_is_not_called_already_prepared(tmp_path, capsys):
+    src, out = _tiny(tmp_path / "src"), tmp_path / "out"
+    prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
+    (src / "doc1.txt").write_text("a changed document " * 20)
+    changed = r"SOURCE changed: 3 files of 660 bytes \(digest \w+\) then, 3 files of 820 bytes \(digest \w+\) now"
+    with pytest.raises(
+        GptforgeError, match=rf"out: holds data prepared with other settings \({changed}\); pass --force"
+    ):
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
+    assert (
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1, force=True)["splits"]["train"][
+            "bytes"
+        ]
+        == 820
+    )
+    capsys.readouterr()
+    prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
+    assert "already prepared" in capsys.readouterr().out
+
+
+def test_ext_takes_a_value_starting_with_a_dash():
+    from gptforge.cli.parser import build_parser
+
+    args = build_parser().parse_args(["prepare", "src", "--ext", "-md", "--out", "o", "--ext", "+go,-md"])
+    assert args.ext == "+go,-md" and args.out == "o"
+    assert build_parser().parse_args(["prepare", "src", "--out", "o", "--ext", "-py"]).ext == "-py"
+
+
 def test_out_holding_other_files_is_refused_unless_forced(tmp_path):
     src, out = _tiny(tmp_path / "src"), tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(GptforgeError, match=r"--out .*out: exists and is not empty; .*--force"):
-        prepare(str(src), out, val_fraction=0, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    prepare(str(src), out, val_fraction=0, workers=1, force=True)
+    prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1, force=True)
     assert not (out / "notes.txt").exists() and read_manifest(out)["splits"]["train"]["docs"] == 3
     assert not list(tmp_path.glob(".out.*")), "the temp folder was swapped in"
 
@@ -185,7 +245,7 @@ def test_never_writes_into_the_folder_it_reads(tmp_path, monkeypatch, out):
     monkeypatch.chdir(tmp_path)
     _tiny(tmp_path / "src")
     with pytest.raises(GptforgeError, match=r"--out .*: (is|contains) src, which this command reads"):
-        prepare("src", out, workers=1, force=True)
+        prepare(PrepareSettings.from_flags("src"), out, workers=1, force=True)
     assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["doc0.txt", "doc1.txt", "doc2.txt"]
 
 
@@ -193,13 +253,13 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
     import gptforge.data.prepare as prep
 
     src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
-    old = prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)
+    old = prepare(PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=50), out, workers=1)
     with pytest.raises(
         GptforgeError, match=r"out: holds data prepared with other settings \(--val-fraction was 0, now 0.5\)"
     ):
-        prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0.5, shard_tokens=50), out, workers=1)
     with pytest.raises(GptforgeError, match=r"\(--shard-tokens was 50, now 60\)"):
-        prepare(str(src), out, val_fraction=0, shard_tokens=60, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=60), out, workers=1)
 
     real = prep.documents
 
@@ -212,13 +272,13 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
     monkeypatch.setattr(prep, "documents", crashing)
     monkeypatch.setattr(pipeline, "BATCH_DOCS", 1)
     with pytest.raises(RuntimeError, match="killed"):
-        prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1, force=True)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0.5, shard_tokens=50), out, workers=1, force=True)
     assert read_manifest(out) == old  # the old data is whole, and still what train reads
     assert all(read_shard(out / s["file"]).size == s["tokens"] for s in old["shards"])
 
     monkeypatch.setattr(prep, "documents", real)
     capsys.readouterr()
-    new = prepare(str(src), out, val_fraction=0.5, shard_tokens=50, workers=1, force=True)
+    new = prepare(PrepareSettings.from_flags(str(src), val_fraction=0.5, shard_tokens=50), out, workers=1, force=True)
     assert "resuming" in capsys.readouterr().out  # the killed replacement picks up where it stopped
     assert read_manifest(out) == new and new["splits"]["val"]["docs"] > 0
     own = ["manifest.json", "report.md", *(s["file"] for s in new["shards"])]
@@ -228,9 +288,9 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
 
 def test_force_with_the_same_settings_rebuilds(tmp_path, capsys):
     src, out = _tiny(tmp_path / "src"), tmp_path / "out"
-    first = prepare(str(src), out, val_fraction=0, workers=1)
+    first = prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
     (out / first["shards"][0]["file"]).write_bytes(b"damaged")
-    assert prepare(str(src), out, val_fraction=0, workers=1, force=True) == first
+    assert prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1, force=True) == first
     assert "already prepared" not in capsys.readouterr().out
     assert read_shard(out / first["shards"][0]["file"]).size == first["shards"][0]["tokens"]
 
@@ -239,7 +299,7 @@ def test_a_second_prepare_into_the_same_folder_is_refused_naming_the_pid(tmp_pat
     with lock_held_elsewhere(tmp_path / "out", "prepare") as pid:  # as a running prepare holds it
         busy = rf"out: in use by another gptforge prepare \(pid {pid}\)"
         with pytest.raises(GptforgeError, match=busy):
-            prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", workers=1)
+            prepare(PrepareSettings.from_flags(str(_tiny(tmp_path / "src"))), tmp_path / "out", workers=1)
 
 
 def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
@@ -250,12 +310,17 @@ def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prep, "_tokenize", crash)
     with pytest.raises(KeyboardInterrupt):
-        prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", workers=1)
+        prepare(PrepareSettings.from_flags(str(_tiny(tmp_path / "src"))), tmp_path / "out", workers=1)
     with pytest.raises(GptforgeError, match=r"out: unfinished prepare; run `gptforge prepare` again to finish it"):
         read_manifest(tmp_path / "out")
     monkeypatch.undo()
     # Nothing was written yet, so other settings just start over, without --force.
-    assert prepare(str(tmp_path / "src"), tmp_path / "out", val_fraction=0, workers=1)["splits"]["val"]["docs"] == 0
+    assert (
+        prepare(PrepareSettings.from_flags(str(tmp_path / "src"), val_fraction=0), tmp_path / "out", workers=1)[
+            "splits"
+        ]["val"]["docs"]
+        == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -264,6 +329,10 @@ def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
         ({"train_tokenizer": 0}, "--train-tokenizer 0: expected a vocabulary size of at least 257"),
         ({"train_tokenizer": -5}, "--train-tokenizer -5: expected"),
         ({"train_tokenizer": 256}, "--train-tokenizer 256: expected"),
+        (
+            {"train_tokenizer": 2**32 + 1},
+            "--train-tokenizer 4294967297: expected a vocabulary size of at most 4294967296",
+        ),
         ({"train_tokenizer": 300, "tokenizer": "t.json"}, "--tokenizer t.json and --train-tokenizer 300: pass one"),
         ({"val_fraction": 1.0}, r"--val-fraction must be in \[0, 1\), got 1.0"),
         ({"val_fraction": -0.1}, r"--val-fraction must be in \[0, 1\), got -0.1"),
@@ -273,8 +342,9 @@ def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
     ],
 )
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
+    workers = flags.pop("workers", None)
     with pytest.raises(GptforgeError, match=message):
-        prepare(str(tmp_path), tmp_path / "out", **flags)
+        prepare(PrepareSettings.from_flags(str(tmp_path), **flags), tmp_path / "out", workers=workers)
     assert not (tmp_path / "out").exists()
 
 
@@ -290,7 +360,7 @@ def test_a_flag_found_wrong_while_reading_fails_before_the_folder_exists(tmp_pat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3)))
     with pytest.raises(GptforgeError, match=message):
-        prepare("d.jsonl", "out", workers=1, **flags)
+        prepare(PrepareSettings.from_flags("d.jsonl", **flags), "out", workers=1)
     assert not (tmp_path / "out").exists()
 
 
@@ -299,9 +369,11 @@ def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(t
 
     src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
     with pytest.raises(GptforgeError, match="all held out for validation"):
-        prepare(str(src), out, val_fraction=0.9999999, shard_tokens=50, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0.9999999, shard_tokens=50), out, workers=1)
     assert json.loads((out / "progress.json").read_text())["shards"], "it had written shards"
-    fixed = prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)  # no --force needed
+    fixed = prepare(
+        PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=50), out, workers=1
+    )  # no --force needed
     left = sorted(p.name for p in out.iterdir() if p.name != ".lock")
     # no shard of the failed one
     assert left == sorted(["manifest.json", "report.md", *(s["file"] for s in fixed["shards"])])
@@ -317,9 +389,9 @@ def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(t
     monkeypatch.setattr(prep, "documents", interrupted)
     monkeypatch.setattr(pipeline, "BATCH_DOCS", 1)
     with pytest.raises(RuntimeError, match="killed"):
-        prepare(str(src), killed, val_fraction=0, shard_tokens=50, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=50), killed, workers=1)
     with pytest.raises(GptforgeError, match=r"killed: holds an unfinished prepare with other settings"):
-        prepare(str(src), killed, val_fraction=0, shard_tokens=60, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=60), killed, workers=1)
 
 
 def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
@@ -328,7 +400,9 @@ def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys
     import gptforge.data.shards as shards
 
     src, out = _tiny(tmp_path / "src", 12), tmp_path / "out"
-    clean = prepare(str(src), tmp_path / "clean", val_fraction=0, shard_tokens=50, workers=1)
+    clean = prepare(
+        PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=50), tmp_path / "clean", workers=1
+    )
     real, calls = shards.write_shard, []
 
     def full_disk(path, tokens):
@@ -340,14 +414,17 @@ def test_disk_full_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(shards, "write_shard", full_disk)
     monkeypatch.setattr(pipeline, "BATCH_DOCS", 1)
     with pytest.raises(GptforgeError, match=rf"^cannot write {out}: No space left on device; fix that and run"):
-        prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=50), out, workers=1)
     progress = json.loads((out / "progress.json").read_text())
     assert [s["file"] for s in progress["shards"]] == ["train_000000.bin", "train_000001.bin"]
     assert sorted(p.name for p in out.iterdir()) == [".lock", "progress.json", "train_000000.bin", "train_000001.bin"]
 
     monkeypatch.setattr(shards, "write_shard", real)
     capsys.readouterr()
-    assert prepare(str(src), out, val_fraction=0, shard_tokens=50, workers=1)["shards"] == clean["shards"]
+    assert (
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0, shard_tokens=50), out, workers=1)["shards"]
+        == clean["shards"]
+    )
     assert "resuming: 2 shard(s)" in capsys.readouterr().out
 
 
@@ -460,7 +537,7 @@ def test_workers_are_capped_at_the_cpu_count(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(ctx, "Pool", pool)
     monkeypatch.setattr(pipeline, "cpu_count", lambda: 1)
-    prepare(str(_tiny(tmp_path / "src")), tmp_path / "out", val_fraction=0, workers=500)
+    prepare(PrepareSettings.from_flags(str(_tiny(tmp_path / "src")), val_fraction=0), tmp_path / "out", workers=500)
     assert sizes == [1] and "using 1 workers: this machine has 1 CPUs\n" in capsys.readouterr().out
     monkeypatch.setattr(pipeline, "cpu_count", lambda: 2)
     assert [pipeline.worker_count(n) for n in (None, 1, 2)] == [2, 1, 2]
@@ -470,11 +547,16 @@ def test_workers_are_capped_at_the_cpu_count(tmp_path, monkeypatch, capsys):
 
 def test_a_tokenizer_file_inside_out_is_refused_even_with_force(tmp_path):
     src, out = _tiny(tmp_path / "src"), tmp_path / "out"
-    prepare(str(src), tmp_path / "bpe", val_fraction=0, workers=1, train_tokenizer=300)
+    prepare(PrepareSettings.from_flags(str(src), val_fraction=0, train_tokenizer=300), tmp_path / "bpe", workers=1)
     out.mkdir()
     (out / "mine.json").write_bytes((tmp_path / "bpe" / "tokenizer.json").read_bytes())
     with pytest.raises(GptforgeError, match=r"^--out .*out: contains .*mine.json, which this command reads; write"):
-        prepare(str(src), out, tokenizer=str(out / "mine.json"), val_fraction=0, workers=1, force=True)
+        prepare(
+            PrepareSettings.from_flags(str(src), tokenizer=str(out / "mine.json"), val_fraction=0),
+            out,
+            workers=1,
+            force=True,
+        )
     assert [p.name for p in out.iterdir()] == ["mine.json"]
 
 
@@ -482,17 +564,19 @@ def test_a_finished_folder_that_cannot_be_locked_is_still_reported_prepared(tmp_
     import gptforge.data.prepare as prep
 
     src, out = _tiny(tmp_path / "src"), tmp_path / "out"
-    first = prepare(str(src), out, val_fraction=0, workers=1)
+    first = prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
     capsys.readouterr()
 
     def read_only(folder, what):  # as on a read-only folder (tests run as root, where chmod does not stop writes)
         raise PermissionError(13, "Permission denied", str(folder / ".lock"))
 
     monkeypatch.setattr(prep, "locked", read_only)
-    assert prepare(str(src), out, val_fraction=0, workers=1) == first
+    assert prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1) == first
     assert capsys.readouterr().out == f"{out}: already prepared with these settings\n"
     with pytest.raises(GptforgeError, match=rf"^cannot write {out}: Permission denied; fix that"):
-        prepare(str(src), out, val_fraction=0, seed=1, workers=1, force=True)  # other settings still need the lock
+        prepare(
+            PrepareSettings.from_flags(str(src), val_fraction=0, seed=1), out, workers=1, force=True
+        )  # other settings still need the lock
 
 
 def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(tmp_path, monkeypatch):
@@ -506,15 +590,15 @@ def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(t
 
     monkeypatch.setattr(prep, "_tokenize", crash)
     with pytest.raises(KeyboardInterrupt):
-        prepare(str(src), out, val_fraction=0, workers=1)
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
     monkeypatch.undo()
     for name in [*stale, ".notes.txt.tmp.1"]:
         (out / name).write_text("torn")
-    manifest = prepare(str(src), out, val_fraction=0, workers=1)  # resumes, then finishes
+    manifest = prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)  # resumes, then finishes
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [".lock", ".notes.txt.tmp.1", "manifest.json", "report.md", *(s["file"] for s in manifest["shards"])]
     )
     for name in stale:  # a kill -9 after the manifest, mid-write of one of these
         (out / name).write_text("torn")
-    assert prepare(str(src), out, val_fraction=0, workers=1) == manifest
+    assert prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1) == manifest
     assert not any((out / name).exists() for name in stale) and (out / ".notes.txt.tmp.1").exists()

@@ -33,6 +33,15 @@ def test_trained_bpe_round_trips_and_keeps_eot_literal(tmp_path):
     assert again.encode(texts[0]) == tok.encode(texts[0]) and again.name == "tok.json"
 
 
+def test_a_long_run_of_one_letter_trains_in_moments(tmp_path):
+    import time
+
+    start = time.perf_counter()
+    tok = train_bpe(["x = 1\n", "key = '" + "a" * 400_000 + "'\n"], 300, tmp_path / "tok.json")  # minutes, uncapped
+    assert time.perf_counter() - start < 10
+    assert tok.decode(tok.encode("b" + "a" * 3000)) == "b" + "a" * 3000  # encoding is not capped
+
+
 def test_unknown_or_bad_tokenizer(tmp_path):
     with pytest.raises(GptforgeError, match="unknown tokenizer 'nope'"):
         load_tokenizer("nope")

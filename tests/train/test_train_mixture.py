@@ -15,6 +15,7 @@ from tests.helpers import cli, losses, weights
 
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.errors import GptforgeError
 from gptforge.report.summary import run_report
 from gptforge.train.trainer import train
@@ -37,7 +38,7 @@ def folders(data_dir, tmp_path_factory):
     for i in range(40):
         sentences = [" ".join(rng.choices(WORDS.split(), k=12)).capitalize() + "." for _ in range(15)]
         (corpus / f"page_{i:03d}.txt").write_text(" ".join(sentences) + "\n")
-    prepare(str(corpus), root / "prose", val_fraction=0.2, shard_tokens=2000, workers=1)
+    prepare(PrepareSettings.from_flags(str(corpus), val_fraction=0.2, shard_tokens=2000), root / "prose", workers=1)
     return root
 
 
@@ -113,7 +114,11 @@ def test_the_page_draws_each_folders_val_curves(folders, tmp_path):
 
 def test_a_bad_mix_is_refused_before_training_starts_naming_the_folder(folders, tmp_path):
     other = tmp_path / "other"
-    prepare(str(folders / "prose-corpus"), other, train_tokenizer=300, val_fraction=0.2, workers=1)
+    prepare(
+        PrepareSettings.from_flags(str(folders / "prose-corpus"), train_tokenizer=300, val_fraction=0.2),
+        other,
+        workers=1,
+    )
     cases = {
         "code=0.7,nowhere=0.3": r"^data.mix: \S*nowhere: no manifest.json",
         "code=0.7,other=0.3": r"^data.mix: \S*other was prepared with tokenizer tokenizer.json \(300 tokens, eot 0\)",

@@ -47,12 +47,17 @@ class EngineSettings:
 
 
 LOCAL = EngineSettings()
+DATATROVE_FLAGS = {"--tasks": "tasks", "--executor": "executor", "--slurm-partition": "slurm_partition",
+                   "--slurm-time": "slurm_time"}  # fmt: skip
 
 
 def check_engine(engine: EngineSettings) -> EngineSettings:
     """The engine settings, or one line naming the flag that cannot work (the extra it needs, too)."""
     if engine.name not in ENGINES:
         raise GptforgeError(f"--engine {engine.name!r}: expected one of {', '.join(ENGINES)}")
+    for flag, name in DATATROVE_FLAGS.items() if engine.name == "local" else ():
+        if getattr(engine, name) != getattr(LOCAL, name):  # the local engine would ignore it
+            raise GptforgeError(f"{flag} {getattr(engine, name)}: applies to --engine datatrove only")
     if engine.tasks < 1:
         raise GptforgeError(f"--tasks must be positive, got {engine.tasks}")
     if engine.executor not in EXECUTORS:
@@ -92,7 +97,7 @@ def encode_share(share: Share, rank: int, world_size: int) -> int:
     pipeline.load_worker(share.spec, share.ngrams, share.filters, share.dedup)
     skipped: list[tuple[str, int, str]] = []
     listing = documents(share.source, share.text_field, extensions=share.extensions, skipped=skipped)
-    docs = (d for d in listing if d[1].strip())
+    docs = pipeline.nonempty(listing, skipped)
     jobs = (
         Job(i, "val" if pipeline.is_validation(n, i, share.val_fraction, share.seed) else "train", n, t, tokenize=True)
         for i, (n, t) in enumerate(docs)
@@ -164,7 +169,8 @@ def datatrove_outcomes(
             f"{len(missing)} of {engine.tasks} datatrove tasks did not finish (their logs: {logs}); run the same "
             "command again: the finished ones are kept"
         )
-    skipped.extend(tuple(s) for s in json.loads((work / "00000.skipped.json").read_text()))
+    # Task 0's list replaces what this process met reading up to its first document: each file is counted once.
+    skipped[:] = [tuple(s) for s in json.loads((work / "00000.skipped.json").read_text())]
     streams = [_read_task(work / f"{r:05d}") for r in range(engine.tasks)]
     for outcome, tokens in heapq.merge(*streams, key=lambda pair: pair[0].index):
         yield [outcome], tokens

@@ -84,6 +84,17 @@ def encode(jobs: list[Job]) -> tuple[list[Outcome], np.ndarray]:
     return outcomes, np.array(ids, dtype=dtype_for_vocab(tok.vocab_size) if tok else np.uint16)
 
 
+def nonempty(
+    docs: Iterator[tuple[str, str]], skipped: list[tuple[str, int, str]] | None = None
+) -> Iterator[tuple[str, str]]:
+    """The documents with text; blank ones go to `skipped` as (name, bytes, 'empty'), so the report counts them."""
+    for name, text in docs:
+        if text.strip():
+            yield name, text
+        elif skipped is not None:
+            skipped.append((name, len(text.encode("utf-8", "surrogatepass")), "empty"))
+
+
 def batched(jobs: Iterator[Job]) -> Iterator[list[Job]]:
     batch, chars = [], 0
     for job in jobs:

@@ -9,10 +9,11 @@ swapped in once complete.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,9 @@ from tqdm import tqdm
 
 from gptforge.data import pipeline
 from gptforge.data.decontaminate import eval_ngrams
-from gptforge.data.dedup import DEDUP_MODES, Deduplicator, DedupSettings
+from gptforge.data.dedup import Deduplicator, DedupSettings
 from gptforge.data.engine import LOCAL, WORK_DIR, EngineSettings, Share, check_engine, datatrove_outcomes
-from gptforge.data.filters import build_filters, clean_settings
-from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
+from gptforge.data.filters import build_filters
 from gptforge.data.outdir import (
     REPORT_FILE,
     TOKENIZER_FILE,
@@ -42,24 +42,27 @@ from gptforge.data.pipeline import Job, Outcome, is_validation, judge
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.report import Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
-from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes
+from gptforge.data.sources import Document, documents, local_paths, source_bytes, source_state
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, locked, swap_dir
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Where the per-document work runs: not part of the data's settings, since every choice writes the same shards."""
+
+    workers: int | None
+    engine: EngineSettings
 
 
 def _split(name: str, index: int, settings: PrepareSettings) -> str:
     return "val" if is_validation(name, index, settings.val_fraction, settings.seed) else "train"
 
 
-def _nonempty(docs: Iterator[Document]) -> Iterator[Document]:
-    return (d for d in docs if d[1].strip())
-
-
 def _tokenizer_for(
     out: Path,
     settings: PrepareSettings,
-    train_vocab: int | None,
     resuming: bool,
     given: Tokenizer | None,
     ngrams: frozenset[int],
@@ -71,14 +74,14 @@ def _tokenizer_for(
         if resuming and (out / TOKENIZER_FILE).is_file():
             return load_tokenizer(TOKENIZER_FILE, out)
         kept = _kept_training_docs(settings, ngrams, workers)
-        docs = _nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
+        docs = pipeline.nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
         train_docs = (
             text
             for i, (name, text) in enumerate(docs)
             if (i in kept if kept is not None else not is_validation(name, i, settings.val_fraction, settings.seed))
         )
-        print(f"training a {train_vocab}-token byte-level BPE on {settings.source}", flush=True)
-        return train_bpe(train_docs, train_vocab, out / TOKENIZER_FILE)
+        print(f"training a {settings.trained_vocab}-token byte-level BPE on {settings.source}", flush=True)
+        return train_bpe(train_docs, settings.trained_vocab, out / TOKENIZER_FILE)
     if given.path is not None and given.path.resolve() != (out / TOKENIZER_FILE).resolve():
         atomic_write(out / TOKENIZER_FILE, given.path.read_bytes())  # the data folder carries its own tokenizer
         return load_tokenizer(TOKENIZER_FILE, out)
@@ -91,7 +94,7 @@ def _kept_training_docs(settings: PrepareSettings, ngrams: frozenset[int], worke
     filters = build_filters(settings.clean_mode, settings.clean)
     if settings.dedup.mode == "none" and not filters and not ngrams:
         return None
-    docs = _nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
+    docs = pipeline.nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
     jobs = (Job(i, _split(name, i, settings), name, text, tokenize=False) for i, (name, text) in enumerate(docs))
     dedup, report, names, kept = Deduplicator(settings.dedup), Report(), {}, set()
     print("judging the documents first, so that the tokenizer learns from those kept", flush=True)
@@ -102,60 +105,32 @@ def _kept_training_docs(settings: PrepareSettings, ngrams: frozenset[int], worke
 
 
 def prepare(
-    source: str,
+    settings: PrepareSettings,
     out_dir: str | Path,
-    tokenizer: str = "gpt2",
-    val_fraction: float = 0.01,
-    shard_tokens: int = 100_000_000,
+    *,
     workers: int | None = None,
-    text_field: str | None = None,
-    train_tokenizer: int | None = None,
-    decontaminate: list[str] = (),
-    seed: int = 0,
     force: bool = False,
-    dedup: str | DedupSettings = "near",
-    clean: str = "none",
-    clean_set: Sequence[str] = (),
-    ext: str | None = None,
     engine: EngineSettings = LOCAL,
 ) -> dict[str, Any]:
-    """Tokenize `source` into `out_dir`; returns the manifest (also written, last, as manifest.json).
-
-    `tokenizer`: 'gpt2' or a tokenizer .json file (`train_tokenizer=N`: train an N-token BPE); `decontaminate`:
-    evaluation files whose 13-grams disqualify training documents; `force`: replace a folder holding anything else;
-    `dedup`: a mode (none, exact, near) or its settings; `clean`: a filter set (none, code, web), `clean_set` its
-    changes; `ext`: the file types read (languages.parse_extensions); `engine`: where the per-document work runs.
-    """
-    _check_flags(tokenizer, val_fraction, shard_tokens, workers, train_tokenizer)
-    dedup, engine = check_dedup(DedupSettings(mode=dedup) if isinstance(dedup, str) else dedup), check_engine(engine)
-    build_filters(clean)  # an unknown mode fails here
-    cleaning = clean_settings(clean_set)
-    source, text_field = resolve(source, text_field)
-    extensions = parse_extensions(ext) if ext is not None else DEFAULT_EXTENSIONS
+    """Tokenize `settings.source` (PrepareSettings.from_flags: what prepare's flags ask) into `out_dir`; returns the
+    manifest (also written, last, as manifest.json). `workers`: the local engine's processes; `force`: replace a
+    folder holding anything else; `engine`: where the per-document work runs."""
+    if workers is not None and workers <= 0:
+        raise GptforgeError(f"--workers must be positive, got {workers}")
+    engine = check_engine(engine)
+    source = settings.source
     skipped: list[tuple[str, int, str]] = []  # (name, bytes, why): filled as the documents are read
-    docs = documents(source, text_field, extensions=extensions, skipped=skipped)  # a missing source fails here
+    docs = documents(source, settings.text_field, extensions=settings.extensions, skipped=skipped)  # missing: fails
     out = Path(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = (out / MANIFEST).is_file() or (out / PROGRESS).is_file()
-    tokenizer_file = [] if train_tokenizer is not None or tokenizer == "gpt2" else [tokenizer]
-    check_output_dir(out, force or holds_data, [*local_paths(source), *decontaminate, *tokenizer_file])
-    settings = PrepareSettings(
-        source=source,
-        text_field=text_field,
-        val_fraction=val_fraction,
-        shard_tokens=shard_tokens,
-        seed=seed,
-        tokenizer=f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
-        decontaminate=tuple(sorted(str(p) for p in decontaminate)),
-        dedup=dedup,
-        clean_mode=clean,
-        clean=cleaning,
-        ext=tuple(sorted(extensions)) if extensions != DEFAULT_EXTENSIONS else None,
-    )
+    given_file = [] if settings.trained_vocab is not None or settings.tokenizer == "gpt2" else [settings.tokenizer]
+    check_output_dir(out, force or holds_data, [*local_paths(source), *settings.decontaminate, *given_file])
+    settings = dataclasses.replace(settings, corpus=source_state(source, settings.extensions))
     done = finished(out, settings)
     if done is not None and not force:
         return already_prepared(out, done, locked)  # decided reading only, so a finished read-only folder works
-    docs, tok, ngrams = _checked_inputs(docs, source, tokenizer, train_tokenizer, decontaminate)
+    docs, tok, ngrams = _checked_inputs(pipeline.nonempty(docs, skipped), settings)
     try:
         with locked(out, "prepare"):
             folder = destination(out, settings, force)
@@ -163,14 +138,7 @@ def prepare(
                 return already_prepared(out, read_json(out / MANIFEST), locked)
             with marked_if_failed(folder):
                 manifest = _build(
-                    (docs, skipped),
-                    folder,
-                    settings,
-                    given=tok,
-                    train_tokenizer=train_tokenizer,
-                    ngrams=ngrams,
-                    workers=workers,
-                    engine=engine,
+                    (docs, skipped), folder, settings, given=tok, ngrams=ngrams, run=_Run(workers, engine)
                 )
             if folder != out:
                 swap_dir(folder, out.resolve())
@@ -184,49 +152,16 @@ def prepare(
 
 
 def _checked_inputs(
-    docs: Iterator[Document], source: str, tokenizer: str, train_tokenizer: int | None, decontaminate: list[str]
+    docs: Iterator[Document], settings: PrepareSettings
 ) -> tuple[Iterator[Document], Tokenizer | None, frozenset[int]]:
-    """The documents with text (the first one read), the given tokenizer and the evaluation n-grams: a wrong
+    """The documents (with text: the first one read), the given tokenizer and the evaluation n-grams: a wrong
     --tokenizer, --decontaminate or --text-field, or a corpus without text, fails before the folder exists."""
-    tok = load_tokenizer(tokenizer) if train_tokenizer is None else None
-    ngrams = eval_ngrams(decontaminate) if decontaminate else frozenset()
-    docs = _nonempty(docs)
+    tok = load_tokenizer(settings.tokenizer) if settings.trained_vocab is None else None
+    ngrams = eval_ngrams(list(settings.decontaminate)) if settings.decontaminate else frozenset()
     first = next(docs, None)
     if first is None:
-        raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
+        raise GptforgeError(f"{settings.source}: empty corpus (no documents with text were found)")
     return itertools.chain([first], docs), tok, ngrams
-
-
-def check_dedup(settings: DedupSettings) -> DedupSettings:
-    """The --dedup settings, or one line naming the flag whose value cannot work."""
-    if settings.mode not in DEDUP_MODES:
-        raise GptforgeError(f"--dedup {settings.mode!r}: expected one of {', '.join(DEDUP_MODES)}")
-    if not 0 < settings.threshold <= 1:
-        raise GptforgeError(f"--dedup-threshold must be in (0, 1], got {settings.threshold}")
-    for flag, value in (("--dedup-shingle", settings.shingle), ("--dedup-hashes", settings.hashes)):
-        if value < 1:
-            raise GptforgeError(f"{flag} must be positive, got {value}")
-    if settings.bands < 1 or settings.hashes % settings.bands:
-        raise GptforgeError(
-            f"--dedup-bands {settings.bands}: expected a positive divisor of --dedup-hashes {settings.hashes}"
-        )
-    return settings
-
-
-def _check_flags(
-    tokenizer: str, val_fraction: float, shard_tokens: int, workers: int | None, train_tokenizer: int | None
-) -> None:
-    """Refuse values that would fail late or silently (--train-tokenizer 0 used to mean GPT-2)."""
-    if shard_tokens <= 0:
-        raise GptforgeError(f"--shard-tokens must be positive, got {shard_tokens}")
-    if not 0 <= val_fraction < 1:
-        raise GptforgeError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if workers is not None and workers <= 0:
-        raise GptforgeError(f"--workers must be positive, got {workers}")
-    if train_tokenizer is not None and not 257 <= train_tokenizer <= 2**32:
-        raise GptforgeError(f"--train-tokenizer {train_tokenizer}: expected a vocabulary size of at least 257")
-    if train_tokenizer is not None and tokenizer != "gpt2":
-        raise GptforgeError(f"--tokenizer {tokenizer} and --train-tokenizer {train_tokenizer}: pass one of them")
 
 
 def _build(
@@ -234,10 +169,8 @@ def _build(
     out: Path,
     settings: PrepareSettings,
     given: Tokenizer | None,
-    train_tokenizer: int | None,
     ngrams: frozenset[int],
-    workers: int | None,
-    engine: EngineSettings,
+    run: _Run,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
     remove_stale_temps(out)
@@ -247,13 +180,13 @@ def _build(
         remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
         shutil.rmtree(out / WORK_DIR, ignore_errors=True)
         atomic_write(out / PROGRESS, json.dumps({"settings": settings.to_json(), "shards": []}))
-    tok = _tokenizer_for(out, settings, train_tokenizer, resuming, given, ngrams=ngrams, workers=workers)
+    tok = _tokenizer_for(out, settings, resuming, given, ngrams=ngrams, workers=run.workers)
     writers = {s: ShardWriter(out, s, settings.shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
     if resuming and progress.get("shards"):
         for split, w in writers.items():
             w.restore([s for s in progress["shards"] if s["split"] == split])
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
-    report = _tokenize(read, tok, ngrams, writers, settings, out, _Run(workers, engine))
+    report = _tokenize(read, tok, ngrams, writers, settings, out, run)
     for _, n_bytes, why in read[1]:
         report.count(f"{why} skipped", n_bytes)
     _check_kept(settings, writers, report)
@@ -300,12 +233,6 @@ def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], repo
         f"{source}: only {writers['val'].docs} document(s) kept, all held out for validation "
         "(add documents, or pass --val-fraction 0)"
     )
-
-
-@dataclass(frozen=True)
-class _Run:
-    workers: int | None
-    engine: EngineSettings
 
 
 def _tokenize(

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptforge.data.dedup import DedupSettings
-from gptforge.data.filters import CleanSettings
-from gptforge.data.languages import DEFAULT_EXTENSIONS
+from gptforge.data.dedup import DEDUP_MODES, DedupSettings
+from gptforge.data.filters import CleanSettings, build_filters, clean_settings
+from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
+from gptforge.data.sources import resolve
+from gptforge.data.tokenizer import check_vocab_size
+from gptforge.errors import GptforgeError
 
 # The flag behind each setting, to say which one differs from a folder's.
 SETTING_FLAGS = {
@@ -27,8 +31,13 @@ SETTING_FLAGS = {
     "ext": "--ext",
     "dedup": "--dedup",
     "clean": "--clean/--clean-set",
+    "corpus": "SOURCE",
 }
 LATER_KEYS = ("ext", "dedup", "clean")  # absent from folders prepared before they existed
+UNRECORDED = ("corpus",)  # absent from folders prepared before it existed: nothing to compare with
+# Past these, MinHash costs grow without finding more copies: a signature's time and memory are linear in the
+# hashes (1,000,000 took minutes on 1.7 MB), a shingle's in its words. --dedup-bands divides --dedup-hashes.
+MAX_HASHES, MAX_SHINGLE = 1024, 64
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,61 @@ class PrepareSettings:
     dedup: DedupSettings = field(default_factory=DedupSettings)
     clean_mode: str = "none"
     clean: CleanSettings = field(default_factory=CleanSettings)
+    corpus: tuple[int, int, str] | None = None  # sources.source_state: a changed corpus is not already prepared
+
+    @classmethod
+    def from_flags(
+        cls,
+        source: str,
+        *,
+        tokenizer: str = "gpt2",
+        train_tokenizer: int | None = None,
+        val_fraction: float = 0.01,
+        shard_tokens: int = 100_000_000,
+        text_field: str | None = None,
+        decontaminate: Sequence[str] = (),
+        seed: int = 0,
+        dedup: str | DedupSettings = "near",
+        clean: str = "none",
+        clean_set: Sequence[str] = (),
+        ext: str | None = None,
+    ) -> PrepareSettings:
+        """The settings `gptforge prepare`'s flags ask for, each checked (one line naming a flag that cannot work).
+
+        `tokenizer`: 'gpt2' or a tokenizer .json file, or `train_tokenizer=N` for an N-token BPE trained on the
+        corpus; `dedup`: a mode (none, exact, near) or its settings; `clean`: a filter set (none, code, web),
+        `clean_set` its changes; `ext`: the file types read (languages.parse_extensions)."""
+        _check_numbers(val_fraction, shard_tokens)
+        if train_tokenizer is not None:
+            check_vocab_size(train_tokenizer)
+            if tokenizer != "gpt2":
+                raise GptforgeError(
+                    f"--tokenizer {tokenizer} and --train-tokenizer {train_tokenizer}: pass one of them"
+                )
+        dedup = check_dedup(DedupSettings(mode=dedup) if isinstance(dedup, str) else dedup)
+        build_filters(clean)  # an unknown mode fails here
+        cleaning = clean_settings(clean_set)
+        _check_clean_set(clean, clean_set)
+        source, text_field = resolve(source, text_field)
+        extensions = parse_extensions(ext) if ext is not None else DEFAULT_EXTENSIONS
+        return cls(
+            source=source,
+            text_field=text_field,
+            val_fraction=val_fraction,
+            shard_tokens=shard_tokens,
+            seed=seed,
+            tokenizer=f"trained:{train_tokenizer}" if train_tokenizer is not None else tokenizer,
+            decontaminate=tuple(sorted(str(p) for p in decontaminate)),
+            ext=tuple(sorted(extensions)) if extensions != DEFAULT_EXTENSIONS else None,
+            dedup=dedup,
+            clean_mode=clean,
+            clean=cleaning,
+        )
+
+    @property
+    def trained_vocab(self) -> int | None:
+        """N for a BPE trained on the corpus ('trained:N'); None for a given tokenizer."""
+        return int(self.tokenizer.partition(":")[2]) if self.tokenizer.startswith("trained:") else None
 
     @property
     def extensions(self) -> frozenset[str]:
@@ -62,6 +126,7 @@ class PrepareSettings:
             "ext": sorted(self.ext) if self.ext is not None else None,
             "dedup": dataclasses.asdict(self.dedup),
             "clean": {"mode": self.clean_mode, **dataclasses.asdict(self.clean)} if self.clean_mode != "none" else None,
+            "corpus": dict(zip(("files", "bytes", "sha256"), self.corpus, strict=True)) if self.corpus else None,
         }
         return json.loads(json.dumps(value))
 
@@ -76,15 +141,66 @@ class PrepareSettings:
         stays out of an older folder's)."""
         mine = self.to_json()
         defaults = PrepareSettings(**{f: getattr(self, f) for f in _LEGACY_FIELDS}).to_json()
-        return {k: v for k, v in mine.items() if k in saved or k not in LATER_KEYS or v != defaults[k]}
+        return {
+            k: v
+            for k, v in mine.items()
+            if k in saved or (k not in LATER_KEYS and k not in UNRECORDED) or (k in LATER_KEYS and v != defaults[k])
+        }
 
     def difference(self, saved: dict[str, Any]) -> str:
         """The first setting that differs from `saved`, as 'FLAG was OLD, now NEW'."""
         expected = self._expected(saved)
         for key, flag in SETTING_FLAGS.items():
+            if key == "corpus" and key in expected and saved.get(key) != expected[key]:
+                return f"SOURCE changed: {_files_said(saved.get(key))} then, {_files_said(expected[key])} now"
             if key in expected and saved.get(key) != expected[key]:
                 return f"{flag} was {saved.get(key)!r}, now {expected[key]!r}"
         return f"settings were {saved!r}"
 
 
 _LEGACY_FIELDS = ("source", "text_field", "val_fraction", "shard_tokens", "seed", "tokenizer", "decontaminate")
+
+
+def _files_said(corpus: dict[str, Any] | None) -> str:
+    if not isinstance(corpus, dict):
+        return "a corpus not listed"
+    digest = str(corpus.get("sha256"))[:12]
+    return f"{corpus.get('files', 0):,} files of {corpus.get('bytes', 0):,} bytes (digest {digest})"
+
+
+def _check_numbers(val_fraction: float, shard_tokens: int) -> None:
+    if shard_tokens <= 0:
+        raise GptforgeError(f"--shard-tokens must be positive, got {shard_tokens}")
+    if not 0 <= val_fraction < 1:
+        raise GptforgeError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+
+
+def check_dedup(settings: DedupSettings) -> DedupSettings:
+    """The --dedup settings, or one line naming the flag whose value cannot work."""
+    if settings.mode not in DEDUP_MODES:
+        raise GptforgeError(f"--dedup {settings.mode!r}: expected one of {', '.join(DEDUP_MODES)}")
+    if not 0 < settings.threshold <= 1:
+        raise GptforgeError(f"--dedup-threshold must be in (0, 1], got {settings.threshold}")
+    for flag, value, most in (
+        ("--dedup-shingle", settings.shingle, MAX_SHINGLE),
+        ("--dedup-hashes", settings.hashes, MAX_HASHES),
+    ):
+        if not 1 <= value <= most:
+            raise GptforgeError(f"{flag} must be in [1, {most}], got {value}")
+    if settings.bands < 1 or settings.hashes % settings.bands:
+        raise GptforgeError(
+            f"--dedup-bands {settings.bands}: expected a positive divisor of --dedup-hashes {settings.hashes}"
+        )
+    return settings
+
+
+def _check_clean_set(mode: str, items: Sequence[str]) -> None:
+    """One line for a --clean-set item that changes filters the --clean mode does not run (it would be ignored)."""
+    for item in items:
+        key, _, value = (part.strip() for part in item.partition("="))
+        names = [n.strip() for n in value.split(",") if n.strip()] if key == "skip" else [key]
+        other = next((n.partition(".")[0] for n in names if n.partition(".")[0] != mode), None)
+        if other is not None:
+            raise GptforgeError(
+                f"--clean-set {item}: changes {other} filters, which --clean {mode} does not run; pass --clean {other}"
+            )

@@ -12,6 +12,7 @@ STAGES = (
     "read",
     "binary skipped",
     "undecodable skipped",
+    "empty skipped",
     "filtered",
     "exact duplicates",
     "near duplicates",
@@ -67,10 +68,11 @@ class Report:
 
 def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
     """report.md from the manifest's "report" object and settings."""
-    total = report["stages"]["read"]["bytes"] or 1
+    # Skipped files never become documents read: the shares are of every byte met, so they add up to 100%.
+    total = sum(c["bytes"] for stage, c in report["stages"].items() if stage == "read" or "skipped" in stage) or 1
     lines = ["# What prepare removed", "", f"Source: `{settings['source']}`; dedup: `{settings.get('dedup')}`;"]
     lines += [f"clean: `{(settings.get('clean') or {}).get('mode', 'none')}`.", ""]
-    lines += ["| stage | documents | bytes | share of bytes read |", "| --- | ---: | ---: | ---: |"]
+    lines += ["| stage | documents | bytes | share of all bytes |", "| --- | ---: | ---: | ---: |"]
     for stage, c in report["stages"].items():
         lines.append(f"| {stage} | {c['docs']:,} | {c['bytes']:,} | {100 * c['bytes'] / total:.2f}% |")
     for name, c in sorted(report["filters"].items()):

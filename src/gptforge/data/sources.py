@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
+import json
 import os
 import sysconfig
 from collections import Counter
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gptforge.data.languages import CONTAINERS, DEFAULT_EXTENSIONS, decode, is_binary, selects
+from gptforge.data.shards import MANIFEST, PROGRESS
 from gptforge.errors import GptforgeError
 from gptforge.files import format_suffix, read_jsonl, read_text, reading
 
@@ -61,6 +64,21 @@ def source_bytes(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -
         return None
     files = [p for p, _ in _files(source, extensions)]
     return None if any(p.suffix in (".gz", ".parquet") for p in files) else sum(p.stat().st_size for p in files)
+
+
+def source_state(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> tuple[int, int, str] | None:
+    """(files, bytes, digest of each file's name, size and modification time) of a local SOURCE, to tell a folder
+    prepared from an earlier state of it; None for a dataset (hf:), whose changes are not seen."""
+    if source.startswith("hf:"):
+        return None
+    root = Path(sysconfig.get_paths()["stdlib"]) if source == "stdlib" else None
+    files = [(p, p.relative_to(root).as_posix()) for p in _stdlib_files()] if root else _files(source, extensions)
+    digest, total = hashlib.sha256(), 0
+    for path, name in files:
+        stat = path.stat()
+        total += stat.st_size
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode("utf-8", "surrogatepass"))
+    return len(files), total, digest.hexdigest()
 
 
 def _stdlib_files() -> list[Path]:
@@ -115,6 +133,8 @@ def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list
         raise GptforgeError(f"{source}: a link to {os.readlink(root)}, which does not exist")
     else:
         raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
+    ours = {p.parent for p, _ in named if p.name in (MANIFEST, PROGRESS) and _is_data_folder(p.parent)}
+    named = [(p, n) for p, n in named if not any(d in p.parents for d in ours if d != root)]
     files, seen = [], set()
     for path, name in sorted(named):
         suffix = format_suffix(path)
@@ -126,6 +146,19 @@ def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list
     if not files:
         raise GptforgeError(_nothing_to_read(source, [p for p, _ in named if p.is_file()]))
     return files
+
+
+def _is_data_folder(folder: Path) -> bool:
+    """Whether `prepare` wrote `folder` (its manifest or progress file names the settings): its report.md and
+    tokenizer.json are not a corpus, so a data folder inside a source is not read."""
+    for marker in (MANIFEST, PROGRESS):
+        try:
+            value = json.loads((folder / marker).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, dict) and isinstance(value.get("settings"), dict) and "source" in value["settings"]:
+            return True
+    return False
 
 
 def _nothing_to_read(source: str, found: list[Path]) -> str:
@@ -182,6 +215,8 @@ def _json_text(record, text_field: str, where: str) -> str:
         text = record[text_field]
     except (KeyError, TypeError) as e:
         raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r} ({e})") from None
+    if text is None:  # as parquet and hf: read a null: an empty document, counted in the report
+        return ""
     if not isinstance(text, str):
         raise GptforgeError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
     return text

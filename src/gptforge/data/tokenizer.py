@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -14,6 +15,14 @@ from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write
 
 EOT_TEXT = "<|endoftext|>"
+MIN_VOCAB, MAX_VOCAB = 257, 2**32  # a trained BPE: the 256 bytes and EOT, up to ids a uint32 shard holds
+# The longest run of one character class (what GPT-2's pattern makes one piece) the BPE trainer sees: its merges
+# are quadratic in a repetitive piece's length (a 400,000-letter run took minutes). Encoding is not capped.
+MAX_TRAINING_PIECE = 1000
+_LONG_RUN = re.compile(
+    rf"[^\W\d_]{{{MAX_TRAINING_PIECE + 1},}}|\d{{{MAX_TRAINING_PIECE + 1},}}"
+    rf"|(?:[^\w\s]|_){{{MAX_TRAINING_PIECE + 1},}}|\s{{{MAX_TRAINING_PIECE + 1},}}"
+)
 # GPT-2's pre-tokenization regex (tiktoken's r50k pattern).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -145,8 +154,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if not 257 <= vocab_size <= 2**32:
-        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at least 257")
+    check_vocab_size(vocab_size)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -156,6 +164,26 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=sys.stderr.isatty(),  # its bars: reading the documents, then the merges
     )
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(capped_pieces(texts), trainer)
     atomic_write(out, tok.to_str(pretty=True))
     return BPETokenizer(out)
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """--train-tokenizer's value, or one line naming the limit it is past."""
+    if vocab_size < MIN_VOCAB:
+        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at least {MIN_VOCAB}")
+    if vocab_size > MAX_VOCAB:
+        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at most {MAX_VOCAB}")
+
+
+def capped_pieces(texts: Iterable[str]) -> Iterator[str]:
+    """The texts, each cut around its runs longer than MAX_TRAINING_PIECE, which go as pieces of that length:
+    separate texts, so no character is added and no piece crosses a cut."""
+    for text in texts:
+        start = 0
+        for run in _LONG_RUN.finditer(text):
+            yield text[start : run.start()]
+            yield from (run[0][i : i + MAX_TRAINING_PIECE] for i in range(0, len(run[0]), MAX_TRAINING_PIECE))
+            start = run.end()
+        yield text[start:]
