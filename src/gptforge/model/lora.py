@@ -75,14 +75,15 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and put plain nn.Linear layers back: the model exports as any other."""
+def merge_lora(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Put plain nn.Linear layers back, each adapter folded into its weight (`merge`) or dropped (the base model
+    again): the model then exports as any other."""
     for name, layer in lora_layers(model).items():
         plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         plain.to(device=layer.weight.device, dtype=layer.weight.dtype)
-        plain.weight.copy_(layer.merged_weight())
+        plain.weight.copy_(layer.merged_weight() if merge else layer.weight)
         if layer.bias is not None:
             plain.bias.copy_(layer.bias)
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, plain)
+        setattr(model.get_submodule(parent_name), child, plain.train(layer.training))
     return model
