@@ -273,3 +273,21 @@ def test_a_fim_model_s_file_names_its_sentinels_for_llama_cpp_infill(tmp_path):
     with llama(path) as llm:
         assert llm.detokenize([50257], special=True).decode() == FIM_TEXTS[0]
         assert llm.tokenize(FIM_TEXTS[2].encode(), add_bos=False, special=True) == [50259]
+
+
+def test_llama_cpp_formats_a_chat_model_s_messages_as_we_do_and_replies_as_ours_greedily(tmp_path):
+    from gptforge.data.chat import Message, format_chat, with_chat
+
+    tok = with_chat(load_tokenizer("gpt2"))
+    model = tiny_model(vocab_size=tok.vocab_size)
+    messages = [Message("system", "Be brief."), Message("user", "Write `add(a, b)`.\n  Add them.")]
+    rows = [{"role": m.role, "content": m.content} for m in messages]
+    prompt = format_chat(tok, messages, add_generation_prompt=True).ids.tolist()
+    ours = generate(model, prompt, 12, temperature=0.0, eot=tok.im_end)[0]
+    path = write_gguf(model, tok, tmp_path / "chat.gguf", "f32", "chat")
+    with llama(path) as llm:
+        assert llm.metadata["tokenizer.ggml.eot_token_id"] == str(tok.im_end)
+        text = tok.decode(prompt)
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == prompt
+        reply = llm.create_chat_completion(rows, max_tokens=12, temperature=0.0, top_k=1)["choices"][0]
+    assert reply["message"]["content"] == tok.decode(ours)

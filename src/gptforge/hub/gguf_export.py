@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gptforge.data.fim import FIM_TEXTS, FIMTokenizer, Sentinels
+from gptforge.data.chat import CHAT_TEMPLATE, ChatTokenizer, added_tokens
+from gptforge.data.fim import Sentinels
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import stale_temp_files, usual_mode, writing
@@ -67,6 +68,8 @@ class GGUFVocab:
     eot: int
     fim: Sentinels | None = None
     """Fill-in-the-middle sentinels (a run with data.fim_rate): llama.cpp's /infill and editor plugins use them."""
+    chat_end: int | None = None
+    """A chat model's <|im_end|>: llama.cpp ends a reply there, and formats messages with CHAT_TEMPLATE."""
 
 
 def gguf_arch(cfg: GPTConfig) -> str:
@@ -89,24 +92,23 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> GGUFVocab:
         vocab, merges = gpt2_vocab_and_merges()
     else:
         vocab, merges = _byte_level_bpe(tokenizer.path)
-    fim_rows = len(FIM_TEXTS) if isinstance(tokenizer, FIMTokenizer) else 0
+    added = added_tokens(tokenizer)  # FIM's sentinels, the chat template's tokens
     tokens = sorted(vocab, key=vocab.__getitem__)
-    if [vocab[t] for t in tokens] != list(range(len(tokens))) or len(tokens) + fim_rows > vocab_size:
+    if [vocab[t] for t in tokens] != list(range(len(tokens))) or len(tokens) + len(added) > vocab_size:
         raise GptforgeError(
             f"tokenizer {tokenizer.path or tokenizer.name}: ids are not 0..{len(tokens) - 1} within the model's "
             f"{vocab_size:,} rows"
         )
     types = [TOKEN_CONTROL if t == EOT_TEXT else TOKEN_NORMAL for t in tokens]
-    fim = tokenizer.sentinels if isinstance(tokenizer, FIMTokenizer) else None
-    if fim is not None:
-        tokens, types = tokens + list(FIM_TEXTS), types + [TOKEN_CONTROL] * len(FIM_TEXTS)
+    tokens, types = tokens + list(added.values()), types + [TOKEN_CONTROL] * len(added)
     padding = range(len(tokens), vocab_size)
     return GGUFVocab(
         tokens=tokens + [f"[PAD{i}]" for i in padding],
         types=types + [TOKEN_UNUSED for _ in padding],
         merges=merges,
         eot=tokenizer.eot,
-        fim=fim,
+        fim=getattr(tokenizer, "sentinels", None),
+        chat_end=tokenizer.im_end if isinstance(tokenizer, ChatTokenizer) else None,
     )
 
 
@@ -262,6 +264,9 @@ def _add_vocab(writer: gguf.GGUFWriter, vocab: GGUFVocab) -> None:
     writer.add_bos_token_id(vocab.eot)
     writer.add_eos_token_id(vocab.eot)
     writer.add_add_bos_token(False)
+    if vocab.chat_end is not None:
+        writer.add_chat_template(CHAT_TEMPLATE)
+        writer.add_eot_token_id(vocab.chat_end)  # an end of generation: llama.cpp stops a reply there
     if vocab.fim is not None:
         writer.add_uint32(gguf.Keys.Tokenizer.FIM_PRE_ID, vocab.fim.prefix)
         writer.add_uint32(gguf.Keys.Tokenizer.FIM_SUF_ID, vocab.fim.suffix)
