@@ -11,6 +11,7 @@ from gptforge.files import to_json
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    from gptforge.data.chat_prepare import chat_form
     from gptforge.data.dedup import DedupSettings
     from gptforge.data.engine import EngineSettings
     from gptforge.data.prepare import prepare, summarize
@@ -23,6 +24,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         bands=args.dedup_bands,
         threshold=args.dedup_threshold,
     )
+    form = chat_form(args.source) if not args.chat and args.source.endswith((".jsonl", ".jsonl.gz")) else None
+    if form:
+        print(f"{args.source}: conversations ({form}): preparing them for fine-tuning, as --chat does", flush=True)
+    if args.chat or form:
+        _prepare_chat(args, dedup)
+        return
     settings = PrepareSettings.from_flags(
         args.source,
         tokenizer=args.tokenizer,
@@ -40,6 +47,36 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     engine = EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time)
     manifest = prepare(settings, args.out, workers=args.workers, force=args.force, engine=engine)
     print(summarize(manifest, args.out))
+
+
+def _prepare_chat(args: argparse.Namespace, dedup) -> None:
+    from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+
+    unused = {
+        "--train-tokenizer": args.train_tokenizer is not None,
+        "--clean": args.clean != "none",
+        "--clean-set": bool(args.clean_set),
+        "--ext": args.ext is not None,
+        "--text-field": args.text_field is not None,
+        "--engine": args.engine != "local",
+    }
+    for flag, given in unused.items():
+        if given:
+            raise GptforgeError(f"{flag}: does not apply to conversations (--chat keeps the base model's tokenizer)")
+    settings = ChatSettings(
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        dedup=dedup,
+        decontaminate=tuple(args.decontaminate),
+        shard_tokens=args.shard_tokens,
+    )
+    manifest = prepare_chat(args.source, args.out, settings, force=args.force)
+    train, val = (manifest["splits"][s] for s in ("train", "val"))
+    print(
+        f"wrote {args.out}: {train['docs']:,} training conversations ({train['assistant_tokens']:,} of "
+        f"{train['tokens']:,} tokens in the loss), {val['docs']:,} held out; report: {args.out}/report.md"
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> None:

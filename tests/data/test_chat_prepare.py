@@ -107,3 +107,18 @@ def test_the_loader_packs_whole_conversations_and_learns_only_the_replies(tmp_pa
         seen += [t for t in tok.decode(learned).split("<|im_end|>") if t]
     assert seen == [f"Answer {i}." for i in range(30)]  # every reply once, whole; the 80-word request is cut
     assert loader.spans[-1, 1] == 49 and loader.n_windows < 30
+
+
+def test_the_command_finds_conversations_in_jsonl_and_refuses_flags_that_do_not_apply(tmp_path, capsys):
+    from gptforge.cli import main
+
+    src = _write(tmp_path / "chats.jsonl", GOOD)
+    assert main(["prepare", str(src), "--out", str(tmp_path / "out"), "--val-fraction", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "conversations (OpenAI messages): preparing them for fine-tuning" in out
+    assert "3 training conversations" in out and read_manifest(tmp_path / "out")["chat"]["template"] == "chatml"
+    for flags in (["--train-tokenizer", "300"], ["--clean", "code"], ["--ext", "py"]):
+        assert main(["prepare", str(src), "--chat", "--out", str(tmp_path / "o2"), *flags]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"{flags[0]}: does not apply to conversations" in err
+    assert not (tmp_path / "o2").exists()

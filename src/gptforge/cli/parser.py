@@ -84,6 +84,11 @@ def _add_data_commands(sub) -> None:
     )
     s.add_argument("--seed", type=int, default=0, help="salt for the validation split's hash (default 0)")
     s.add_argument("--force", action="store_true", help="replace what --out holds (once the new data is complete)")
+    s.add_argument(
+        "--chat",
+        action="store_true",
+        help="JSONL conversations (OpenAI messages or Alpaca rows) for fine-tuning; found without it in .jsonl",
+    )
     _add_cleaning_flags(s)
     s.set_defaults(func=commands.cmd_prepare)
 

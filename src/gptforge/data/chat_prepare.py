@@ -90,6 +90,26 @@ def chat_files(source: str) -> list[Path]:
     return files
 
 
+def chat_form(source: str) -> str | None:
+    """The conversation form a SOURCE's first row is in ('OpenAI messages' or 'Alpaca rows'), or None: how
+    `prepare` tells conversations from documents without --chat."""
+    try:
+        files = chat_files(source)
+    except GptforgeError:
+        return None
+    with reading(files[0]), open_text(files[0]) as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        return "OpenAI messages"
+    if isinstance(row, dict) and {"instruction", "output"} <= row.keys():
+        return "Alpaca rows"
+    return None
+
+
 def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[str, list[Message], str | None]]:
     """(where, messages, the row's own split or None) for each usable row; bad rows are counted and named."""
     for path in files:
