@@ -129,3 +129,29 @@ def test_a_tokenizer_that_is_not_a_file_of_the_checkpoint_is_one_line(tmp_path, 
         f"gptforge {command[0]}: error: {ckpt}: damaged checkpoint: meta.json names tokenizer {name!r}: "
         "expected 'gpt2' or the name of a tokenizer file in the checkpoint\n"
     )
+
+
+def test_every_file_of_a_sharded_checkpoint_is_sealed_and_a_flipped_byte_is_named(tmp_path):
+    import json
+
+    from gptforge.checkpoint.integrity import checksum_problem, seal
+
+    ckpt = tmp_path / "step_000001"
+    (ckpt / "shards").mkdir(parents=True)
+    files = {"shards/__0_0.distcp": 4096, "shards/__1_0.distcp": 4096, "shards/.metadata": 64, "rng_rank0.pt": 64}
+    for name, size in files.items():
+        (ckpt / name).write_bytes(bytes(size))
+    (ckpt / "meta.json").write_text('{"step": 1}')
+    seal(ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert sorted(meta["sha256"]) == sorted(files) and meta["step"] == 1
+    assert checksum_problem(ckpt, meta, for_training=True) is None
+    (ckpt / "shards/__1_0.distcp").write_bytes(bytes(2000) + b"\xff" * 96 + bytes(2000))  # same size
+    problem = "shards/__1_0.distcp does not match the sha256 its meta.json records (damaged since it was saved)"
+    assert checksum_problem(ckpt, meta, for_training=False) == problem
+    (ckpt / "shards/__1_0.distcp").write_bytes(bytes(4096))
+    (ckpt / "rng_rank0.pt").write_bytes(b"\xff" * 64)
+    assert checksum_problem(ckpt, meta, for_training=False) is None  # weights alone: a resume's files unread
+    assert checksum_problem(ckpt, meta, for_training=True).startswith("rng_rank0.pt does not match")
+    meta["sha256"]["../outside"] = meta["sha256"].pop("rng_rank0.pt")
+    assert "names '../outside', which is not a file of the checkpoint" in checksum_problem(ckpt, meta, True)

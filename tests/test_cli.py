@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -160,3 +161,82 @@ def test_a_reader_that_goes_away_ends_quietly(monkeypatch, capsys):
     monkeypatch.setattr(gptforge.report.summary, "run_report", pipe_closed)
     assert main(["report", "runs/x"]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_under_torchrun_only_rank_0_prints_an_error_and_each_rank_files_it(tmp_path, monkeypatch, capsys):
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error_{rank}.json"))
+        assert main(["sample", str(tmp_path / "missing")]) == 1
+        line = f"gptforge sample: error: {tmp_path / 'missing'}: not a checkpoint"
+        assert capsys.readouterr().err.startswith(line) == (rank == "0")  # the others stay quiet
+        assert json.loads((tmp_path / f"error_{rank}.json").read_text())["message"].startswith(line)  # for torchrun
+    import gptforge.report.summary
+
+    def peer_gone(run_dir):
+        raise GptforgeError("rank 1: all_reduce in stop_vote timed out: a peer rank did not respond")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(gptforge.report.summary, "run_report", peer_gone)
+    assert main(["report", "runs/x"]) == 1  # a failure of this rank's own, which rank 0 may never see
+    assert capsys.readouterr().err.startswith("gptforge report: error: rank 1: all_reduce in stop_vote timed out")
+
+
+def tiny_run(folder):
+    """A run folder as plot reads it: one train record."""
+    folder.mkdir()
+    record = {"step": 1, "kind": "train", "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens": 8}
+    (folder / "metrics.jsonl").write_text(json.dumps({**record, "tokens_per_s": 8.0, "time": 0.1}) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "socket"])
+def test_every_command_refuses_an_out_that_is_a_device_fifo_or_socket(data_dir, corpus_dir, tmp_path, capsys, kind):
+    from tests.test_files import special_file
+
+    from gptforge.checkpoint import save_checkpoint
+    from gptforge.config import Config
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model.gpt import GPT, GPTConfig
+
+    special = special_file(kind, tmp_path)
+    before = os.stat(special)
+    cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
+    ckpt = save_checkpoint(tmp_path / "run", 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"), {"tokens": 0})
+    commands = {
+        "export": [str(ckpt), "--force"],
+        "import": [str(tmp_path / "hf"), "--force"],
+        "prepare": [str(corpus_dir), "--force"],
+        "train": ["--config", "tiny", "--data", str(data_dir)],
+        "demo": ["--data", str(data_dir), "--force"],
+        "plot": [str(tiny_run(tmp_path / "plotted"))],
+    }
+    for command, args in commands.items():
+        assert main([command, *args, "--out", str(special)]) == 1, command
+        err = capsys.readouterr().err
+        assert err.startswith(f"gptforge {command}: error: ") and str(special) in err and err.count("\n") == 1, err
+    assert (os.stat(special).st_ino, os.stat(special).st_mode) == (before.st_ino, before.st_mode)
+
+
+def test_a_file_out_ending_in_a_slash_is_one_line_and_writes_nothing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["plot", str(tiny_run(tmp_path / "run")), "--out", f"{tmp_path}/newdir/"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --out: expected a file name, got " in err and "ends in a slash" in err
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_prepare_force_never_replaces_a_data_folder_holding_a_run(data_dir, corpus_dir, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    (data / "myrun" / "checkpoints").mkdir(parents=True)  # what train --out DATA/myrun made before it was refused
+    assert main(["prepare", str(corpus_dir), "--out", str(data), "--force", "--val-fraction", "0.2"]) == 1
+    assert capsys.readouterr().err == (
+        f"gptforge prepare: error: --out {data}: holds a gptforge run ({data / 'myrun'}), which replacing the folder "
+        "would delete; move it out first\n"
+    )
+    assert (data / "myrun" / "checkpoints").is_dir()

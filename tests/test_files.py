@@ -3,6 +3,8 @@
 import errno
 import gzip
 import os
+import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from gptforge.files import (
     atomic_write,
     building_dir,
     check_output_dir,
+    check_output_file,
     locked,
     open_text,
     read_jsonl,
@@ -132,6 +135,61 @@ def test_check_output_dir_refuses_what_would_destroy_data(tmp_path):
     (tmp_path / "only-lock" / LOCK).write_text("1")
     check_output_dir(tmp_path / "only-lock", force=False)  # a lock file alone does not make a folder a run
     check_output_dir(run / "export", force=False, reads=[source])  # inside the run, beside what is read: fine
+
+
+def test_a_folder_inside_one_read_from_or_holding_a_run_is_never_replaced(tmp_path):
+    data = tmp_path / "data"
+    (data / "myrun" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(GptforgeError, match=r"^--out .*myrun: inside .*data, which this command reads; write some"):
+        check_output_dir(data / "myrun", force=True, reads=[data])  # train --out DATA/myrun
+    with pytest.raises(GptforgeError, match=rf"^--out {data}: holds a gptforge run \({data / 'myrun'}\), which rep"):
+        check_output_dir(data, force=True)  # prepare ... --out DATA --force; its checkpoints/ mark the run
+    (data / "myrun" / "checkpoints").rmdir()
+    check_output_dir(data, force=True)
+    (data / "runs" / "old").mkdir(parents=True)
+    (data / "runs" / "old" / "metrics.jsonl").touch()
+    with pytest.raises(GptforgeError, match=rf"holds a gptforge run \({data / 'runs' / 'old'}\)"):  # two levels down
+        check_output_dir(data, force=True)
+    check_output_dir(data, force=True, writes_runs=True)  # speedrun: OUT/NAME-seedS are its own runs
+    check_output_dir(data / "runs" / "old", force=True)  # a run folder itself (demo --force): its own checkpoints
+
+
+def special_file(kind: str, folder: Path) -> Path:
+    """A device, FIFO or socket to give as --out. The device is a /dev/null of the test's own where root may make
+    one, so a regression replaces nothing of the system's; other users cannot replace /dev/null itself."""
+    path = folder / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(path))
+    elif os.geteuid() != 0:
+        return Path("/dev/null")
+    else:
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("root without CAP_MKNOD: no device to try that is safe to lose")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "socket"])
+def test_a_device_fifo_or_socket_is_never_written_over(tmp_path, kind):
+    special = special_file(kind, tmp_path)
+    before = os.stat(special)
+    with pytest.raises(GptforgeError, match=rf"^--out {special}: it is a {'FIFO' if kind == 'fifo' else kind}, not a"):
+        check_output_file(special, force=True)
+    with pytest.raises(GptforgeError, match=rf"^cannot write {special}: it is a "):
+        atomic_write(special, b"x")  # plot --out, and every other file gptforge writes
+    with pytest.raises(GptforgeError, match=rf"^{special}: exists and is not a folder"):
+        check_output_dir(special, force=True)
+    assert os.stat(special).st_mode == before.st_mode and os.stat(special).st_ino == before.st_ino
+
+
+def test_a_file_out_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path):
+    with pytest.raises(GptforgeError, match=r"^--out .*newdir/: ends in a slash, so names a folder \(expected a file"):
+        check_output_file(f"{tmp_path}/newdir/", force=True)
+    check_output_file(f"{tmp_path}/new.gguf", force=False)
 
 
 def test_a_locked_folder_names_its_holder_and_is_released_by_kill_9(tmp_path):

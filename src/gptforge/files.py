@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gzip
+import itertools
 import json
 import math
 import os
 import re
 import shutil
+import stat
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from gptforge.errors import GptforgeError, first_detail
 def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryview]) -> Path:
     """Write to a temp file beside `path`, fsync, then rename: readers see the old file or the new one."""
     path = Path(path)
+    _refuse_special(path, f"cannot write {path}")
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")  # one writer per process; see stale_temp_files
     chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     try:
@@ -85,6 +88,19 @@ def temp_dir_for(final: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def _refuse_special(path: Path, what: str) -> None:
+    """Refuse a device, FIFO or socket (or a link to one) where a file is to be written: replacing it by rename
+    would, as root, turn /dev/null into a regular file."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # missing, or a dangling link: nothing special to spare
+        return
+    kinds = {stat.S_ISCHR: "a device", stat.S_ISBLK: "a device", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"}
+    kind = next((name for test, name in kinds.items() if test(mode)), None)
+    if kind:
+        raise GptforgeError(f"{what}: it is {kind}, not a file (gptforge writes only files and folders it may replace)")
 
 
 def _refuse_non_folder(final: Path) -> None:
@@ -164,6 +180,9 @@ def _disk_full(target: Path, error: Exception) -> bool:
 
 LOCK = ".lock"
 """The file `locked` holds in a run or data folder; it does not make the folder non-empty."""
+METRICS = "metrics.jsonl"
+"""A run's log (rundir): with its checkpoints/ folder, what marks a folder as a gptforge run."""
+RUN_MARKS = (METRICS, "checkpoints")
 
 
 def is_empty_dir(path: str | Path) -> bool:
@@ -172,9 +191,12 @@ def is_empty_dir(path: str | Path) -> bool:
     return not path.exists() or (path.is_dir() and all(p.name == LOCK for p in path.iterdir()))
 
 
-def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out") -> None:
-    """Refuse an output folder whose writing would destroy data: the folder a command reads from or a parent of
-    it (always), or any existing non-empty folder unless `force` names it for replacement."""
+def check_output_dir(
+    out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out", *, writes_runs: bool = False
+) -> None:
+    """Refuse an output folder whose writing would destroy data: the folder a command reads from, a parent of it or
+    a folder inside it, a folder holding a gptforge run in a subfolder (always, unless the command `writes_runs`
+    there itself), or any existing non-empty folder unless `force` names it for replacement."""
     out = Path(out)
     target = out.resolve()
     for source in reads:
@@ -182,7 +204,14 @@ def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] =
         if resolved == target or target in resolved.parents:
             how = "is" if resolved == target else "contains"
             raise GptforgeError(f"{flag} {out}: {how} {source}, which this command reads; write somewhere else")
+        if resolved in target.parents:  # a run inside its data folder: a later prepare --force would delete it
+            raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")
     _refuse_non_folder(out)
+    run = None if writes_runs else _run_inside(out)
+    if run is not None:
+        raise GptforgeError(
+            f"{flag} {out}: holds a gptforge run ({run}), which replacing the folder would delete; move it out first"
+        )
     if not force and not is_empty_dir(out):
         raise GptforgeError(
             f"{flag} {out}: exists and is not empty; pick another folder, or pass --force to replace it "
@@ -190,10 +219,20 @@ def check_output_dir(out: str | Path, force: bool, reads: Iterable[str | Path] =
         )
 
 
+def _run_inside(folder: Path) -> Path | None:
+    """A gptforge run one or two levels below `folder` (a run folder's own checkpoints are not another run)."""
+    marks = (folder.glob(f"{depth}{mark}") for depth in ("*/", "*/*/") for mark in RUN_MARKS)
+    return next((found.parent for found in itertools.chain.from_iterable(marks)), None)
+
+
 def check_output_file(out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out") -> None:
-    """Refuse an output file path inside a folder the command reads (always), a folder, one whose folder is missing,
-    or one that exists (a dangling link too) without `force`."""
+    """Refuse an output file path ending in a slash (a folder's), inside a folder the command reads (always), a
+    folder, a device, FIFO or socket, one whose folder is missing, or one that exists (a dangling link too) without
+    `force`."""
+    if str(out).endswith(("/", os.sep)):  # Path() would drop the slash and write a file of the folder's name
+        raise GptforgeError(f"{flag} {out}: ends in a slash, so names a folder (expected a file name)")
     out = Path(out)
+    _refuse_special(out, f"{flag} {out}")
     for source in reads:
         if Path(source).resolve() in out.resolve().parents:
             raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")

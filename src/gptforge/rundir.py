@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
-from gptforge.files import read_jsonl
+from gptforge.files import METRICS, read_jsonl
 
 CONFIG = "config.toml"
-METRICS = "metrics.jsonl"
 SAMPLES = "samples.jsonl"
 
 

@@ -163,6 +163,8 @@ def test_the_page_gets_a_long_log_in_at_most_2000_points_and_only_when_it_change
 def test_a_diverged_checkpoint_is_503_greedy_too_and_a_tiny_temperature_is_greedy(runs_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from gptforge.checkpoint.integrity import seal
+
     run = tmp_path / "run"
     shutil.copytree(runs_dir / "alpha", run)
     engine = Engine(tmp_path, Limits())
@@ -172,6 +174,7 @@ def test_a_diverged_checkpoint_is_503_greedy_too_and_a_tiny_temperature_is_greed
 
     weights = run / "checkpoints" / "step_000004" / "model.safetensors"
     save_file({k: v.fill_(float("nan")) for k, v in load_file(weights).items()}, weights)
+    seal(weights.parent)  # as the run would have saved them: intact, and diverged
     engine = Engine(tmp_path, Limits())
     for temperature in (0, 0.8):
         events = completion(engine, {"max_tokens": 4, "temperature": temperature})

@@ -68,8 +68,17 @@ def damage_meta(ckpt):
     (ckpt / "meta.json").write_text('{"step": 4, "conf')
 
 
+def damage_flip(ckpt):
+    """2,000 bytes flipped inside the weights, the size kept: only a checksum tells."""
+    path = ckpt / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 2000] = bytes(b ^ 0xFF for b in data[middle : middle + 2000])
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize(
-    "damage", [damage_truncate, damage_random_bytes, damage_list_header, damage_no_optimizer, damage_meta]
+    "damage", [damage_truncate, damage_random_bytes, damage_list_header, damage_no_optimizer, damage_meta, damage_flip]
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, data_dir, tmp_path, damage):
     run = tmp_path / "run"
@@ -82,6 +91,54 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, d
     with pytest.raises(GptforgeError, match="step_000002: damaged checkpoint"):  # a named one is not replaced
         damage(run / "checkpoints" / "step_000002")
         train(tiny(data_dir, "train.max_steps=4"), tmp_path / "new", resume=str(run / "checkpoints" / "step_000002"))
+
+
+DAMAGED_INSIDE = (
+    "damaged checkpoint: model.safetensors does not match the sha256 its meta.json records (damaged since it was saved)"
+)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["eval", "--text", "TEXT"], ["sample", "--max-new-tokens", "1"], ["export", "--out", "OUT"]],
+)
+def test_a_checkpoint_damaged_inside_its_size_is_refused_in_one_line(saved_run, tmp_path, capsys, command):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_run / "checkpoints" / "step_000004", ckpt)
+    damage_flip(ckpt)
+    (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n" * 4)
+    args = [{"TEXT": str(tmp_path / "text.txt"), "OUT": str(tmp_path / "out")}.get(a, a) for a in command[1:]]
+    assert main([command[0], str(ckpt), *args]) == 1
+    assert capsys.readouterr().err == f"gptforge {command[0]}: error: {ckpt}: {DAMAGED_INSIDE}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoints_record_each_file_s_sha256_and_older_ones_without_still_load(saved_run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_run / "checkpoints" / "step_000004", ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert sorted(meta["sha256"]) == ["model.safetensors", "optimizer.pt", "rng_rank0.pt"]
+    del meta["sha256"]  # as gptforge wrote them before checksums
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert_same_weights(ckpt, saved_run / "checkpoints" / "step_000004")
+
+
+def test_weights_gone_non_finite_are_never_saved_and_never_prune_the_last_good_one(saved_run, data_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from gptforge.checkpoint.integrity import seal
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    ckpt = run / "checkpoints" / "step_000004"
+    weights = load_file(ckpt / "model.safetensors")
+    weights["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    seal(ckpt)  # as if the run had saved them so: every later step is skipped
+    cfg = tiny(data_dir, "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=1")
+    with pytest.raises(GptforgeError, match=r"^step 6: the model's weights are not finite \(NaN or inf\): not saved"):
+        train(cfg, run, resume="auto")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
 def assert_same_weights(a, b):
@@ -240,6 +297,14 @@ def test_a_run_never_starts_in_the_data_or_among_other_files_but_retries_a_faile
         train(tiny(data_dir, "train.max_steps=1"), data_dir, resume="auto")
     with pytest.raises(GptforgeError, match="which this command reads"):
         train(tiny(data_dir, "train.max_steps=1"), data_dir.parent, resume="auto")
+    with pytest.raises(GptforgeError, match=r"myrun: inside .*, which this command reads"):  # prepare --force ate it
+        train(tiny(data_dir, "train.max_steps=1"), data_dir / "myrun")
+    other = tmp_path / "other"
+    shutil.copytree(data_dir, other)
+    mix = load_config("tiny", [f"data.mix={data_dir}=1,{other}=1", "eval.every=0", "train.max_steps=1"])
+    with pytest.raises(GptforgeError, match=rf"--out {other / 'myrun'}: inside {other}, which this command reads"):
+        train(mix, other / "myrun")
+    assert not (data_dir / "myrun").exists() and not (other / "myrun").exists()
     home = tmp_path / "home"
     home.mkdir()
     (home / "notes.txt").write_text("mine")

@@ -196,10 +196,11 @@ def test_a_damaged_shard_or_a_zero_resume_of_shards_is_one_line(runs, data_dir, 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(runs[2] / "checkpoints" / "step_000006", ckpt)
     shard = ckpt / "shards" / "__1_0.distcp"
-    shard.write_bytes(b"\xff" * shard.stat().st_size)  # the same size: only reading it finds the damage
+    shard.write_bytes(b"\xff" * shard.stat().st_size)  # the same size: only its checksum finds the damage
     done = subprocess.run(cli("sample", ckpt, "--prompt", "def", "--max-new-tokens", "2"),
                           capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
-    assert done.returncode == 1 and done.stderr.startswith(f"gptforge sample: error: {ckpt / 'shards'}: does not fit")
+    damaged = f"gptforge sample: error: {ckpt}: damaged checkpoint: shards/__1_0.distcp does not match the sha256"
+    assert done.returncode == 1 and done.stderr.startswith(damaged)
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     middle = runs[2] / "checkpoints" / "step_000003"
     zero = subprocess.run(

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model
 
+from gptforge.checkpoint.integrity import checksum_problem
 from gptforge.checkpoint.layout import META, SHARDS, checkpoints, latest_checkpoint, read_meta, sharded, step_of
 from gptforge.checkpoint.save import (
     Saving,
@@ -29,6 +30,7 @@ from gptforge.checkpoint.save import (
     prune_checkpoints,
     save_checkpoint,
     set_rng_state,
+    weights_finite,
     write_checkpoint,
 )
 from gptforge.config import Config, config_from_dict
@@ -72,6 +74,7 @@ __all__ = [
     "set_rng_state",
     "sharded",
     "step_of",
+    "weights_finite",
     "weights_misfit",
     "write_checkpoint",
 ]
@@ -84,9 +87,10 @@ def quiet_model(config: GPTConfig) -> GPT:
         return GPT(config)
 
 
-def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
+def checkpoint_problem(ckpt: Path, for_training: bool = False, checksums: bool = False) -> str | None:
     """Why a checkpoint folder cannot be loaded, or None. Cheap structural checks that catch what a full disk,
-    a killed copy or a hand edit leaves: unreadable meta.json, truncated weights, a missing or cut optimizer."""
+    a killed copy or a hand edit leaves (unreadable meta.json, truncated weights, a missing or cut optimizer); with
+    `checksums`, also damage that kept the sizes (every file the load reads is hashed)."""
     try:
         meta = json.loads((ckpt / META).read_text(encoding="utf-8"))
         config_from_dict(meta["config"])
@@ -95,8 +99,14 @@ def checkpoint_problem(ckpt: Path, for_training: bool = False) -> str | None:
         return f"{META} is unreadable or incomplete ({type(e).__name__}: {e})"
     weights = shards_problem(ckpt / SHARDS) if sharded(ckpt) else _safetensors_problem(ckpt / "model.safetensors")
     problem = _tokenizer_problem(ckpt, meta.get("tokenizer")) or weights
-    if problem or not for_training or sharded(ckpt):  # the shards hold the optimizer's state too
-        return problem
+    if not problem and for_training and not sharded(ckpt):  # the shards hold the optimizer's state too
+        problem = _optimizer_problem(ckpt)
+    if not problem and checksums:
+        problem = checksum_problem(ckpt, meta, for_training)
+    return problem
+
+
+def _optimizer_problem(ckpt: Path) -> str | None:
     if not (ckpt / "optimizer.pt").is_file():
         return "no optimizer.pt: not a training checkpoint (start from its weights with train.init_from)"
     if not zipfile.is_zipfile(ckpt / "optimizer.pt"):
@@ -140,7 +150,7 @@ def resolve_checkpoint(path: str | Path, for_training: bool = False) -> Path:
     with a warning). A named checkpoint that is damaged is an error."""
     path = Path(path)
     if (path / META).exists():
-        problem = checkpoint_problem(path, for_training)
+        problem = checkpoint_problem(path, for_training, checksums=True)
         if problem:
             raise GptforgeError(f"{path}: damaged checkpoint: {problem}")
         return path
@@ -150,7 +160,7 @@ def resolve_checkpoint(path: str | Path, for_training: bool = False) -> Path:
             f"{path}: not a checkpoint (expected a folder with {META}, or a run folder with checkpoints/)"
         )
     for ckpt in reversed(ckpts):
-        problem = checkpoint_problem(ckpt, for_training)
+        problem = checkpoint_problem(ckpt, for_training, checksums=True)
         if problem is None:
             return ckpt
         warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)

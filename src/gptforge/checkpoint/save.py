@@ -13,13 +13,14 @@ import numpy as np
 import torch
 from safetensors.torch import save_model
 
+from gptforge.checkpoint.integrity import seal
 from gptforge.checkpoint.layout import META, SHARDS, checkpoints, step_of
 from gptforge.config import Config, to_dict
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, usual_mode, write_json, writing
 from gptforge.model.gpt import GPT
-from gptforge.runtime.distributed import SINGLE, DistEnv, barrier
+from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum, barrier
 from gptforge.runtime.fsdp import (
     is_sharded,
     save_shards,
@@ -94,10 +95,13 @@ def end_checkpoint(saving: Saving, env: DistEnv = SINGLE) -> Path:
         with writing(saving.final):
             if saving.writes is not None:
                 wait_writes(saving.writes)
+        barrier(env)
+        if env.is_main:  # every process's files are complete: their checksums go into meta.json
+            with writing(saving.final):
+                seal(saving.tmp)
     except GptforgeError:
         shutil.rmtree(saving.tmp, ignore_errors=True)
         raise
-    barrier(env)
     if env.is_main:
         swap_dir(saving.tmp, saving.final)
     barrier(env)
@@ -115,6 +119,7 @@ def write_checkpoint(
     """Write a complete single-process checkpoint (e.g. an import) into `final`, atomically."""
     with building_dir(final) as tmp:
         _write_files(tmp, model, optimizer.state_dict() if optimizer else None, cfg, tokenizer, meta)
+        seal(tmp)
     return final
 
 
@@ -145,6 +150,14 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, milestone_every: int)
     for p in doomed:
         shutil.rmtree(p)
     return doomed
+
+
+def weights_finite(model: torch.nn.Module, env: DistEnv = SINGLE) -> bool:
+    """Whether every weight is finite on every process (under fsdp each checks its own shards; every rank calls
+    this): weights gone NaN must never replace a good checkpoint."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    bad = torch.stack([torch.isfinite(t).all() for t in local]).logical_not().sum()
+    return int(all_reduce_sum(bad, env)) == 0
 
 
 def rng_state() -> dict[str, Any]:

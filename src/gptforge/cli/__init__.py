@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -27,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
             args.func(args)
     except GptforgeError as e:
-        return _fail(args.command, str(e))
+        # Bad input, which every process of a torchrun job meets alike (rank 0 says it), or a failure naming its own
+        # rank (a peer that stopped answering), which each process says.
+        return _fail(args.command, str(e), every_rank=str(e).startswith("rank "))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -60,8 +64,18 @@ def _show_warning(command: str, default, message, category, filename, lineno, fi
     print(f"gptforge {command}: warning: {message}", file=file or sys.stderr, flush=True)
 
 
-def _fail(command: str, message: str) -> int:
-    print(f"gptforge {command}: error: {message}", file=sys.stderr)
+def _fail(command: str, message: str, every_rank: bool = True) -> int:
+    """The error in one line; under torchrun, unless `every_rank`, from rank 0 alone (the same line from every
+    process says nothing more). Each process also leaves it in torchrun's error file, so the launcher's summary
+    names it even where a rank > 0 failed alone."""
+    line = f"gptforge {command}: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    rank = os.environ.get("RANK", "0")
+    if every_rank or not (rank.isdigit() and int(rank) > 0):
+        print(line, file=sys.stderr)
     return 1
 
 

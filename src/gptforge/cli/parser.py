@@ -6,7 +6,7 @@ import argparse
 import os
 
 from gptforge import __version__, commands
-from gptforge.cli.types import Parser, at_least, positive_ints, probability, seed_value
+from gptforge.cli.types import Parser, at_least, file_name, positive_ints, probability, seed_value
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES
 
@@ -211,7 +211,7 @@ def _add_run_commands(sub) -> None:
     """plot, bench, report and demo."""
     s = sub.add_parser("plot", help="PNG of runs' loss, bpb, HellaSwag, lr, grad norm, tokens/s (overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    s.add_argument("--out", help="PNG path (default: the first RUN_DIR/loss.png)")
+    s.add_argument("--out", type=file_name, help="PNG path (default: the first RUN_DIR/loss.png)")
     s.set_defaults(func=commands.cmd_plot)
 
     s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 # Flags whose value may start with '-' (`--ext -md` drops a kind): argparse would read such a value as a flag.
@@ -22,6 +23,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def file_name(text: str) -> str:
+    """An --out that names a file: one ending in a slash names a folder (Path() would drop the slash and write a
+    file of the folder's name)."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"expected a file name, got {text!r} (it ends in a slash: a folder)")
+    return text
 
 
 def positive_ints(text: str) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ from gptforge.checkpoint import (
     resolve_checkpoint,
     restore_training_state,
     step_of,
+    weights_finite,
     weights_misfit,
 )
 from gptforge.config import Config, config_from_dict, load_config, to_dict
@@ -55,6 +56,11 @@ class Checkpointer:
         fsdp) the shards are written on a thread and all that follows waits for `settle`."""
         s, t0 = self.setup, time.perf_counter()
         self.settle()
+        if not weights_finite(s.model, self.env):  # stop here: every later step would be skipped as well
+            raise GptforgeError(
+                f"step {state.step}: the model's weights are not finite (NaN or inf): not saved, nothing pruned; "
+                f"last good checkpoint: {self.last_good or 'none yet'} (lower optim.lr or check the data)"
+            )
         extra = {**state.state_dict(), "loader": batches.state_dict(), "scaler": s.scaler.state_dict()}
         extra["data"] = self.data
         saving = begin_checkpoint(
