@@ -1,12 +1,15 @@
 """`gptforge demo` end to end on the real stdlib corpus, with a tiny model and a seconds-long budget."""
 
 import json
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from gptforge.cli import main
+from gptforge.cli.parser import build_parser
+from gptforge.demo import next_commands
 
 # Every library of an extra (pyproject.toml's optional-dependencies) and the test tools, made unimportable.
 EXTRAS = (
@@ -17,6 +20,8 @@ WITHOUT_EXTRAS = f"""
 import sys
 sys.modules.update(dict.fromkeys({EXTRAS.split()!r}))  # None: import fails, find_spec finds nothing
 from gptforge.cli import main
+from gptforge.cli.parser import build_parser
+from gptforge.demo import next_commands
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -52,6 +57,7 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
     assert summary["after"]["ppl"] < summary["before"]["ppl"]
     assert len(summary["completions"]) == 3
     assert "=== infilling (greedy)" in printed and summary["infill"]["suffix"] in printed
+    assert printed.rstrip().endswith("\n".join(next_commands(out, data)))  # the "what next" ends it
     for name in ("metrics.jsonl", "loss.png", "config.toml"):
         assert (out / name).is_file()
     assert (data / "tokenizer.json").is_file()
@@ -72,3 +78,15 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
     assert summary["steps"] == 30 and summary["checkpoint"] == str(out / "checkpoints" / "step_000030")
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000030"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "run"]  # no temp folder left beside it
+
+
+def test_the_demo_ends_with_next_commands_that_the_cli_accepts(tmp_path):
+    out, data = tmp_path / "my runs" / "demo", tmp_path / "data"  # a space: the commands quote their paths
+    commands = next_commands(out, data)
+    assert [c.split()[1] for c in commands] == ["sample", "eval", "serve", "export"]
+    for command in commands:
+        program, *args = shlex.split(command, comments=True)
+        parsed = build_parser().parse_args(args)
+        where = getattr(parsed, "checkpoint", None) or parsed.path
+        assert program == "gptforge" and where == str(out)
+    assert build_parser().parse_args(shlex.split(commands[1], comments=True)[1:]).data == str(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 import torch
@@ -88,4 +89,16 @@ def run_demo(
     }
     write_json(out_dir / "summary.json", summary)
     print(f"wrote {checkpoint}, {out_dir / 'metrics.jsonl'}, {plot}, {out_dir / 'summary.json'}")
+    print("\n=== what next ===\n" + "\n".join(next_commands(out_dir, data_dir)))
     return summary
+
+
+def next_commands(out_dir: Path, data_dir: Path) -> list[str]:
+    """The commands that go on from a demo's run folder: sample, eval, serve and export it."""
+    run, data = shlex.quote(str(out_dir)), shlex.quote(str(data_dir))
+    return [
+        f"gptforge sample {run} --prompt 'def quicksort(xs):'     # more completions",
+        f"gptforge eval {run} --data {data}     # the validation loss again (the same tokens)",
+        f"gptforge serve {run}     # an OpenAI-compatible API and a page with the curves (the .[serve] extra)",
+        f"gptforge export {run} --out {shlex.quote(str(out_dir / 'hf'))}     # a transformers folder",
+    ]

@@ -1,14 +1,15 @@
-"""Validation loss and bits per byte against a known answer."""
+"""Validation loss and bits per byte against a known answer; which windows an evaluation scores."""
 
 import math
 
 import pytest
 import torch
 
+from gptforge.data.loader import TokenLoader
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.tokenizer import load_tokenizer
-from gptforge.eval.loss import evaluate_loss
+from gptforge.eval.loss import evaluate_loss, evaluated_tokens
 from gptforge.model.gpt import GPT, GPTConfig
 
 DOC = "déjà vu: naïve café ☕ — 日本語のテキスト, Ünïcödé everywhere.\n"
@@ -33,3 +34,14 @@ def test_all_zero_logits_give_ln_v_and_the_exact_bits_per_byte(tmp_path):
     assert result["loss"] == pytest.approx(math.log(V), rel=1e-6)
     assert result["ppl"] == pytest.approx(V, rel=1e-5)
     assert result["bpb"] == pytest.approx(math.log(V) / math.log(2) * tokens_per_doc / bytes_per_doc, rel=1e-6)
+
+
+def test_the_batch_size_changes_how_windows_are_batched_not_which_are_scored(data_dir):
+    """Training evaluates in its micro-batches, `gptforge eval` in its --batch-size: the same tokens either way."""
+    model = GPT(GPTConfig(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
+    cpu = torch.device("cpu")
+    results = [evaluate_loss(model, data_dir, b, 32, 5 * 32, cpu, torch.float32) for b in (2, 3, 8)]
+    assert [r["tokens"] for r in results] == [5 * 32] * 3  # 5 windows: not a whole number of batches of 2, 3 or 8
+    assert all(r["loss"] == pytest.approx(results[0]["loss"], abs=1e-5) for r in results)
+    loader = TokenLoader(data_dir, "val", 4, 32, shuffle=False)
+    assert evaluated_tokens(loader, 5 * 32) == 5 * 32 and evaluated_tokens(loader, 10**9) == loader.n_windows * 32

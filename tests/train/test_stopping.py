@@ -1,38 +1,53 @@
-"""The time budget on a fake clock: the step count it fits, and the stop vote; what counts as blocked."""
+"""The time budget on a fake clock: the step count it fits, the schedule it ends, and the stop vote; what counts as
+blocked."""
 
+import dataclasses
 import threading
 import time
 
+import pytest
 import torch
 
 from gptforge.config import load_config
 from gptforge.runtime.distributed import SINGLE
-from gptforge.train.stopping import PLAN_AFTER, StopSignal, TimeBudget, _blocked_stack
+from gptforge.train.optim import lr_at
+from gptforge.train.stopping import PLAN_AFTER, StopSignal, TimeBudget, Vote, _blocked_stack
 
 
-def budget(seconds, eval_every=0, has_val=True, max_steps=100_000, first_step=0):
+def budget(seconds, eval_every=0, has_val=True, max_steps=100_000, first_step=0, warmup=2):
     cfg = load_config(
-        "tiny", [f"train.time_budget={seconds}", f"eval.every={eval_every}", f"train.max_steps={max_steps}"]
+        "tiny",
+        [
+            f"train.time_budget={seconds}",
+            f"eval.every={eval_every}",
+            f"train.max_steps={max_steps}",
+            f"optim.warmup_steps={warmup}",
+        ],
     )
     return TimeBudget(cfg, has_val, SINGLE, torch.device("cpu"), first_step=first_step)
 
 
-def drive(b, pace, eval_seconds=0.0, step=0, spent=0.0):
-    """Run steps as the trainer does on a fake clock: step i costs pace(i, now) seconds, an evaluation
-    eval_seconds (each eval_every steps, and at the end); returns (steps, seconds at the end, stopped on time)."""
-    now, max_steps = spent, 100_000
-    b.evaluated(eval_seconds) if step == 0 else None
-    now += eval_seconds if step == 0 else 0.0
+OPTIM = load_config("tiny").optim
+
+
+def drive(b, pace, eval_seconds=0.0, step=0, spent=0.0, optim=OPTIM):
+    """Run steps as the trainer does on a fake clock: step i costs pace(i, now) seconds, an evaluation eval_seconds
+    (the first, each eval_every steps, and the final one); returns (steps, seconds at the end, each step's lr)."""
+    now, max_steps, lrs = spent, b.ceiling, []
+    if step == 0:
+        now += eval_seconds
+        b.evaluated(eval_seconds)
     while step < max_steps:
+        lrs.append(lr_at(step, optim, max_steps))
         now += pace(step, now)
         step += 1
         max_steps = b.plan(step, max_steps, now=now, elapsed=now)
-        if b.stop_vote(StopSignal(), elapsed=now):
-            return step, now + eval_seconds, True
         if b.eval_every and step % b.eval_every == 0 and step < max_steps:
             now += eval_seconds
             b.evaluated(eval_seconds)
-    return step, now + eval_seconds, False
+        if b.stop_vote(StopSignal(), elapsed=now).out_of_time:
+            max_steps = b.last_step(step, max_steps)
+    return step, now + eval_seconds, lrs
 
 
 def test_steps_are_planned_after_the_first_paced_step():
@@ -47,20 +62,55 @@ def test_steps_are_planned_after_the_first_paced_step():
     assert capped.plan(2, 40, now=6.0, elapsed=6.0) == 40  # train.max_steps is a ceiling
 
 
+def test_a_plan_keeps_the_next_step_and_never_reopens_a_finished_schedule():
+    b = budget(100)
+    b.plan(1, 100_000, now=1.0, elapsed=1.0)
+    # Out of time at once: the step just taken had the last plan's learning rate, so one more step ends the decay.
+    assert b.plan(2, 100_000, now=99.5, elapsed=99.5) == 3
+    b = budget(100)
+    b.plan(1, 3, now=1.0, elapsed=1.0)
+    assert b.plan(2, 3, now=2.0, elapsed=2.0) == 100  # 98 s left, 1 s a step: a schedule under way grows
+    assert b.plan(3, 3, now=3.0, elapsed=3.0) == 3  # one that ended at this step stays ended (its lr would rise)
+
+
 def test_a_clock_that_slows_down_halfway_still_ends_the_schedule_on_time():
     # 1 s a step, 2 s from 50 s on: a count fixed at the start (100 steps) would be stopped at step 75 of 100,
     # before its decay; planned again as the pace drifts, the schedule ends within the budget.
-    steps, seconds, cut = drive(budget(100), lambda i, now: 1.0 if now < 50 else 2.0)
-    assert not cut and seconds <= 100 and steps >= 70
+    steps, seconds, lrs = drive(budget(100), lambda i, now: 1.0 if now < 50 else 2.0)
+    assert seconds <= 100 and steps >= 70 and lrs[-1] == lr_at(steps - 1, OPTIM, steps)
     # Slow first, fast later: the count grows to use the time, still ending on time.
-    steps, seconds, cut = drive(budget(100), lambda i, now: 2.0 if now < 50 else 1.0)
-    assert not cut and 95 <= seconds <= 100 and steps >= 70
+    steps, seconds, lrs = drive(budget(100), lambda i, now: 2.0 if now < 50 else 1.0)
+    assert 95 <= seconds <= 100 and steps >= 70 and lrs[-1] == lr_at(steps - 1, OPTIM, steps)
+
+
+PACES = {
+    "steady": lambda i, now: 1.0,
+    "slower halfway": lambda i, now: 1.0 if now < 50 else 2.0,
+    "3x slower near the end": lambda i, now: 1.0 if now < 85 else 3.0,
+    "5x slower after 15 steps": lambda i, now: 1.0 if i < 15 else 5.0,  # the issue's "13 steps (was 18)"
+    "uneven": lambda i, now: (0.5, 1.7, 0.9, 2.4, 1.1)[i % 5],
+    "faster later": lambda i, now: 2.0 if now < 40 else 0.5,
+}
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+@pytest.mark.parametrize("pace", PACES.values(), ids=PACES.keys())
+def test_the_schedule_ends_at_the_last_step_whatever_the_replans(pace, schedule):
+    """Whatever the plans do to the step count, the last step runs at the schedule's last learning rate (its decay
+    ended, not cut short), and the run ends within its budget and one step (the stated tolerance)."""
+    optim = dataclasses.replace(OPTIM, schedule=schedule, warmup_steps=2)
+    b = budget(100, eval_every=10)
+    steps, seconds, lrs = drive(b, pace, eval_seconds=2.0, optim=optim)
+    assert len(lrs) == steps > 10
+    assert lrs[-1] == lr_at(steps - 1, optim, steps)
+    assert lrs[-1] <= 0.3 * optim.lr  # near the end of its decay (to 10%), not cut halfway
+    assert seconds <= 100 + max(pace(i, 100.0) for i in range(steps))
 
 
 def test_evaluations_are_planned_for_and_kept_out_of_the_pace():
     b = budget(100, eval_every=10)
-    steps, seconds, cut = drive(b, lambda i, now: 1.0, eval_seconds=5.0)
-    assert not cut and 95 <= seconds <= 100
+    steps, seconds, _ = drive(b, lambda i, now: 1.0, eval_seconds=5.0)
+    assert 95 <= seconds <= 100
     # 1 s per step and 5 s per 10 steps, the first and final evaluations too: 60 steps (and 5 evaluations).
     assert steps == 60
 
@@ -69,26 +119,29 @@ def test_a_resume_inside_the_first_steps_plans_from_its_own_pace():
     b = budget(100, first_step=10)
     assert b.plan(11, 100_000, now=41.0, elapsed=41.0) == 100_000
     assert b.plan(12, 100_000, now=42.0, elapsed=42.0) == 12 + 58  # 40 s spent before it, 1 s/step now
-    steps, seconds, cut = drive(budget(100, first_step=10), lambda i, now: 1.0, step=10, spent=40.0)
-    assert not cut and seconds <= 100 and steps == 70
+    steps, seconds, _ = drive(budget(100, first_step=10), lambda i, now: 1.0, step=10, spent=40.0)
+    assert seconds <= 100 and steps == 70
 
 
 def test_a_budget_too_short_to_leave_the_warm_up_says_so(capsys):
-    cfg_warmup = budget(100).warmup
-    drive(budget(cfg_warmup * 0.5), lambda i, now: 1.0)
+    drive(budget(10, warmup=20), lambda i, now: 1.0)
     out = capsys.readouterr().out
-    assert "the model will barely train" in out and f"{cfg_warmup}-step warm-up" in out
-    drive(budget(cfg_warmup * 10), lambda i, now: 1.0)
+    assert "the model will barely train" in out and "20-step warm-up" in out
+    drive(budget(200, warmup=20), lambda i, now: 1.0)
     assert "barely train" not in capsys.readouterr().out
 
 
 def test_stop_vote_on_time_and_on_a_signal():
     b, stop = budget(100), StopSignal()
-    assert b.stop_vote(stop, elapsed=99.0) is None
-    assert b.stop_vote(stop, elapsed=101.0) == "the time budget of 100s"
+    assert b.stop_vote(stop, elapsed=99.0) == Vote(signal=False, out_of_time=False)
+    assert b.stop_vote(stop, elapsed=101.0) == Vote(signal=False, out_of_time=True)
+    b.plan(1, 100_000, now=1.0, elapsed=1.0)
+    b.plan(2, 100_000, now=2.0, elapsed=2.0)  # 1 s a step: out of time once the next step's end leaves no other
+    assert not b.stop_vote(stop, elapsed=98.0).out_of_time and b.stop_vote(stop, elapsed=98.5).out_of_time
+    assert b.last_step(50, 96) == 51 and b.last_step(96, 96) == 96  # one more step, the schedule's last
     stop.received = 15
-    assert b.stop_vote(stop, elapsed=1.0) == "a stop signal"
-    assert budget(0).stop_vote(StopSignal(), elapsed=1e9) is None
+    assert b.stop_vote(stop, elapsed=1.0) == Vote(signal=True, out_of_time=False)
+    assert budget(0).stop_vote(StopSignal(), elapsed=1e9) == Vote(signal=False, out_of_time=False)
 
 
 def test_a_main_thread_in_one_native_call_is_blocked_and_one_running_python_is_not():

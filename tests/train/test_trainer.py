@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -9,9 +10,15 @@ import torch
 from tests.helpers import losses
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
+from gptforge.cli import main
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
+from gptforge.runtime.distributed import SINGLE
+from gptforge.train.evaluator import Evaluator
+from gptforge.train.metrics import NullLog
+from gptforge.train.optim import lr_at
+from gptforge.train.setup import PROMPTS, Data, open_data, resolve_config
 from gptforge.train.trainer import train
 
 
@@ -34,14 +41,21 @@ def test_loss_falls_and_artifacts_are_written(data_dir, tmp_path):
     assert latest_checkpoint(tmp_path / "run") == result.checkpoint
 
 
-def test_checkpoint_reloads_to_the_same_model(data_dir, tmp_path):
-    result = train(tiny_cfg(data_dir, "train.max_steps=3"), tmp_path / "run")
+def test_checkpoint_reloads_to_the_same_model(data_dir, tmp_path, capsys):
+    result = train(tiny_cfg(data_dir, "train.max_steps=3", "eval.tokens=320"), tmp_path / "run")
     model, tok, cfg, meta = load_checkpoint(result.checkpoint)
     assert meta["step"] == 3 and tok.name == "gpt2" and cfg.model.vocab_size == 50257
     x = torch.randint(0, 50257, (2, 16))
     _, loss = model(x, x)
     assert torch.isfinite(loss)
     assert not any(p.name.startswith(".") for p in (tmp_path / "run" / "checkpoints").iterdir())
+    # `gptforge eval` with its defaults scores the tokens the final evaluation did (10 windows: not whole batches
+    # of training's 4 nor eval's 8), so the same loss; the batch size changes only the summation's rounding.
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--data", str(data_dir), "--json"]) == 0
+    val = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val"]
+    assert val["tokens"] == result.last_val["tokens"] == 320
+    assert val["loss"] == pytest.approx(result.last_val["loss"], abs=1e-5)
 
 
 MODERN = [
@@ -77,26 +91,46 @@ def test_time_budget_cuts_the_step_count(data_dir, tmp_path):
     assert result.checkpoint.name == f"step_{result.steps:06d}"
 
 
-def test_a_time_budget_on_a_clock_that_slows_down_halfway_ends_its_decay_on_time(data_dir, tmp_path, monkeypatch):
-    """The trainer on a fake clock: a step takes 1 s, then 2 s from 30 s on. The step count is planned again as
-    the pace drifts, so the run ends on its schedule (the learning rate fully decayed) within the budget."""
+def test_a_time_budget_on_a_clock_that_slows_down_halfway_ends_its_decay_on_time(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """The trainer on a fake clock: a step takes 1 s, then 2 s from 30 s on, and a validation token 0.05 s (the
+    whole split, 24 s: a slow host's). The evaluations are cut to fit, and the step count is planned again as the
+    pace drifts, so the run ends on its schedule's last step (the learning rate decayed) within the budget."""
+    import gptforge.train.evaluator as evaluator
     import gptforge.train.trainer as trainer
 
     clock = {"now": 0.0}
-    step = trainer.train_step
+    step, score = trainer.train_step, evaluator.evaluate_loss
 
     def slow_step(*args, **kwargs):
         clock["now"] += 1.0 if clock["now"] < 30 else 2.0
         return step(*args, **kwargs)
 
+    def slow_score(*args, **kwargs):
+        result = score(*args, **kwargs)
+        clock["now"] += 0.05 * result["tokens"]
+        return result
+
     monkeypatch.setattr(trainer, "train_step", slow_step)
-    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(evaluator, "evaluate_loss", slow_score)
+    for module in (trainer, evaluator):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
     cfg = tiny_cfg(data_dir, "train.max_steps=100000", "train.time_budget=80", "eval.every=0", "optim.warmup_steps=2")
     result = train(cfg, tmp_path / "r")
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["lr"] for r in rows if r["kind"] == "train"]
-    assert clock["now"] <= 80 and result.steps == len(lrs) >= 45
-    assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)  # the decay ended
+    assert clock["now"] <= 80 + 2 and result.steps == len(lrs) >= 30  # the stated tolerance: one step
+    assert lrs[-1] == lr_at(len(lrs) - 1, cfg.optim, len(lrs))  # the schedule's last step, whatever the plans
+    assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.1)  # the decay ended
+    # An evaluation may take an eighth of the budget, 10 s: 192 tokens (6 windows), said; the first and the final
+    # one score the same, and the run's config says so (`gptforge eval` scores them too).
+    out = capsys.readouterr().out
+    assert "evaluating 192 validation tokens rather than" in out and "evaluating: 192 validation tokens" in out
+    assert result.first_val["tokens"] == result.last_val["tokens"] == 192 == result.config.eval.tokens
+    # The epochs said are those of the budget's plan, not of train.max_steps.
+    planned = int(re.search(r"time budget 80s: [\d.]+s/step -> (\d+) steps", out)[1])
+    assert f"the planned {planned * 256:,} tokens are" in out and "25,600,000" not in out
 
 
 def test_batch_must_divide(data_dir, tmp_path):
@@ -265,10 +299,38 @@ def test_threads_that_barely_outrun_one_suggest_one_thread(monkeypatch, per_thre
 
 
 def test_the_first_evaluation_is_announced_and_the_first_step_is_printed(data_dir, tmp_path, capsys):
-    train(tiny_cfg(data_dir, "train.max_steps=6", "log.every=5", "eval.every=0"), tmp_path / "r")
+    # More validation tokens asked for than the split holds: the announcement says what is scored.
+    train(tiny_cfg(data_dir, "train.max_steps=6", "log.every=5", "eval.every=0", "eval.tokens=99999"), tmp_path / "r")
     lines = capsys.readouterr().out.splitlines()
     announced = next(i for i, line in enumerate(lines) if "evaluating: " in line)
-    assert "validation tokens" in lines[announced] and "| val " in "".join(lines[announced + 1 : announced + 3])
+    tokens = re.search(r"evaluating: ([\d,]+) validation tokens", lines[announced])[1]
+    assert f"over {tokens} tokens" in "".join(lines[announced + 1 : announced + 3])  # what is said is what is scored
     printed = [line.split("|")[0].split()[1] for line in lines if line.startswith("step") and "| loss" in line]
     assert printed == ["1/6", "5/6", "6/6"]
     assert sum("evaluating: " in line for line in lines) == 1  # the final evaluation is not announced again
+
+
+def test_a_run_without_a_validation_split_says_its_evaluations_are_skipped(data_dir, tmp_path, capsys):
+    cfg = tiny_cfg(data_dir, "eval.hellaswag=")
+    data = open_data(cfg)
+    train_only = [{**m, "shards": [s for s in m["shards"] if s["split"] == "train"]} for m in data.manifests]
+    evaluate = Evaluator(cfg, None, Data(data.sources, train_only, data.tokenizer, False), NullLog(), tmp_path, SINGLE)
+    assert evaluate(0) is None
+    assert capsys.readouterr().out.count(f"{data_dir}: no validation split: no evaluations (validation loss") == 1
+
+
+def _with_languages(data, languages):
+    manifests = [{**m, "report": {"languages": {k: {"read": n, "kept": n} for k, n in languages.items()}}} for m in
+                 data.manifests]  # fmt: skip
+    return Data(data.sources, manifests, data.tokenizer, data.mixed)
+
+
+def test_the_sample_prompt_follows_the_datas_main_language(data_dir):
+    data = open_data(tiny_cfg(data_dir))
+    assert resolve_config(tiny_cfg(data_dir), data)[0].eval.prompt == "def fibonacci(n):"  # the corpus is Python
+    c_data = _with_languages(data, {"C": 30, "Python": 2, "Markdown": 5})
+    assert resolve_config(tiny_cfg(data_dir), c_data)[0].eval.prompt == PROMPTS["C"]
+    web = _with_languages(data, {"unknown": 50, "Python": 1})  # JSONL records, say: no language to follow
+    assert resolve_config(tiny_cfg(data_dir), web)[0].eval.prompt == ""
+    assert resolve_config(tiny_cfg(data_dir, "eval.prompt=int x"), c_data)[0].eval.prompt == "int x"  # set: kept
+    assert load_config("modern-cpu").eval.prompt == load_config("demo-cpu").eval.prompt == "auto"

@@ -159,7 +159,7 @@ def _add_checkpoint_commands(sub) -> None:
         default=0,
         help="HellaSwag examples / HumanEval problems / lm-eval examples per task (default: all)",
     )
-    s.add_argument("--tokens", type=at_least(1), default=1_048_576, help="tokens per loss evaluation (default 1M)")
+    s.add_argument("--tokens", type=at_least(1), help="tokens per loss evaluation (default: the run's eval.tokens)")
     s.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per batch (default 8)")
     _add_compute_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")

@@ -23,9 +23,6 @@ class DataConfig:
     left to right."""
     fim_spm_rate: float = 0.5
     """Of the rearranged documents, the share in suffix-prefix-middle order (the rest prefix-suffix-middle)."""
-    chat_template: str = ""
-    """chatml for a model that speaks in conversations (its tokenizer gains <|im_start|> and <|im_end|>); set by
-    training on a folder of `prepare --chat`, or kept from train.init_from's model; empty: a base model."""
 
 
 AUTO_PROMPT = "auto"  # eval.prompt: chosen by the data's main language
@@ -73,8 +70,10 @@ class TrainConfig:
     max_steps: int = 19_073
     """Optimizer steps; the LR schedule spans exactly these."""
     time_budget: float = 0.0
-    """Wall-clock seconds for the whole run (0: none): the step count is planned from the steps' pace, and again
-    as it drifts, so that the schedule ends on time; a resumed run counts its earlier commands' seconds."""
+    """Wall-clock seconds for the whole run, evaluations included (0: none), kept to within about one step: the step
+    count is planned from the steps' pace, and again as it drifts, so that the schedule ends at the last step; on a
+    slow host evaluations score fewer tokens (the first and the final one: a quarter of it at most); a resumed run
+    counts its earlier commands' seconds."""
     seed: int = 1337
     """Seed for initialization and data order."""
     device: str = "auto"
@@ -122,7 +121,8 @@ class EvalConfig:
     every: int = 250
     """Validate every N steps (and at the first and last step); 0: only at the start and the end."""
     tokens: int = 1_048_576
-    """Validation tokens per evaluation: whole batches of windows spread evenly over the split (capped by its size)."""
+    """Validation tokens per evaluation: windows spread evenly over the split (capped by its size), whatever the
+    batch size; `gptforge eval` scores as many by default."""
     hellaswag: str = ""
     """HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag) scored at every evaluation (empty: none)."""
     hellaswag_limit: int = 0
@@ -131,8 +131,10 @@ class EvalConfig:
     """Code measures at every evaluation on the validation split (0: none): N hidden lines and N hidden 3-line
     spans written back (with the suffix for a FIM model, and from the prefix alone), and up to N sampled function
     bodies parsed; the first process scores them."""
-    prompt: str = "def fibonacci(n):"
-    """Prompt for the text sample printed at each evaluation."""
+    prompt: str = "auto"
+    """Prompt for the text sample printed at each evaluation; auto: one in the data's main language (`def
+    fibonacci(n):` for Python, by prepare's count of documents per language), or a fresh document for prose and
+    languages without one (train/setup.py's PROMPTS); empty: a fresh document."""
     sample_tokens: int = 64
     """Tokens to generate for that sample (0: no samples)."""
 

@@ -18,6 +18,18 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
+def evaluated_windows(loader: TokenLoader, max_tokens: int) -> np.ndarray:
+    """The windows an evaluation of `max_tokens` tokens scores: as many as fit (at least one, at most the split's),
+    spread evenly across the split, since a prefix covers a few documents, which can be far easier than the rest."""
+    count = max(1, min(max_tokens // loader.T, loader.n_windows))
+    return np.linspace(0, loader.n_windows - 1, count).round().astype(np.int64)
+
+
+def evaluated_tokens(loader: TokenLoader, max_tokens: int) -> int:
+    """The tokens an evaluation of `max_tokens` scores on `loader`'s split (the announcement says this)."""
+    return len(evaluated_windows(loader, max_tokens)) * loader.T
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: GPT,
@@ -31,16 +43,14 @@ def evaluate_loss(
     env: DistEnv = SINGLE,
     loader: TokenLoader | None = None,
 ) -> dict[str, float]:
-    """Mean token loss with ppl and bpb, over windows spread evenly across `split` (the same every call).
+    """Mean token loss with ppl and bpb over `evaluated_windows` of `split` (the same every call).
 
-    Spreading matters: a prefix of the split covers a few documents, which can be far easier than the rest.
-    Ranks score disjoint shares of the same windows, so the result does not depend on the world size.
-    A caller that evaluates repeatedly passes its unshuffled `loader` of the split, built once.
+    Ranks score disjoint shares of the same windows, `batch_size` at a time: neither the world size nor the batch
+    size changes which tokens are scored. A caller that evaluates repeatedly passes its unshuffled `loader` of the
+    split, built once.
     """
     loader = loader or TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
-    steps = max(1, min(max_tokens // (batch_size * seq_len), loader.batches_per_epoch))
-    windows = np.linspace(0, loader.n_windows - 1, steps * batch_size).round().astype(np.int64)
-    mine = windows[env.rank :: env.world_size]
+    mine = evaluated_windows(loader, max_tokens)[env.rank :: env.world_size]
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of token losses, tokens)

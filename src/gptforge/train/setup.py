@@ -18,6 +18,7 @@ import torch
 
 from gptforge.checkpoint import META, load_checkpoint, quiet_model, read_meta, resolve_checkpoint
 from gptforge.config import Config, config_from_dict
+from gptforge.config.sections import AUTO_PROMPT
 from gptforge.data.fim import FIM, FIMTokenizer, with_fim
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Source, open_mix, parse_mix
@@ -115,13 +116,43 @@ def check_init_overrides(cfg: Config, overrides: list[str]) -> None:
             )
 
 
-def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str, torch.Tensor] | None]:
+# eval.prompt "auto": a sample prompt in the data's main language; the others (prose, web text) start a fresh document.
+PROMPTS = {
+    "Python": "def fibonacci(n):",
+    "C": "int fibonacci(int n)\n{",
+    "C++": "int fibonacci(int n) {",
+    "CUDA": "__global__ void add(const float *a, const float *b, float *c, int n)\n{",
+    "Java": "public static int fibonacci(int n) {",
+    "C#": "public static int Fibonacci(int n)\n{",
+    "JavaScript": "function fibonacci(n) {",
+    "TypeScript": "function fibonacci(n: number): number {",
+    "Go": "func fibonacci(n int) int {",
+    "Rust": "fn fibonacci(n: u64) -> u64 {",
+    "Ruby": "def fibonacci(n)",
+    "PHP": "function fibonacci($n) {",
+    "Shell": "#!/bin/sh\n",
+    "SQL": "SELECT",
+}
+
+
+def sample_prompt(manifests: list[dict[str, Any]]) -> str:
+    """The prompt for eval.prompt "auto": PROMPTS' for the language of most kept documents (prepare's report counts
+    them), else "" (a fresh document)."""
+    kept: dict[str, int] = {}
+    for manifest in manifests:
+        for language, counts in manifest.get("report", {}).get("languages", {}).items():
+            kept[language] = kept.get(language, 0) + counts["kept"]
+    main = max(kept, key=kept.__getitem__, default=None)
+    return PROMPTS.get(main, "")
+
+
+def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Tensor] | None]:
     """The config the run trains with, and `train.init_from`'s weights if any; `cfg` itself is left unchanged.
 
-    The data decides the vocabulary; an init_from checkpoint decides the architecture (RUN_OWN_MODEL_KEYS stay
-    the run's own, as nanoGPT keeps its dropout).
+    The data decides the vocabulary and an "auto" sample prompt; an init_from checkpoint decides the architecture
+    (RUN_OWN_MODEL_KEYS stay the run's own, as nanoGPT keeps its dropout).
     """
-    model_cfg, weights = cfg.model, None
+    model_cfg, weights, tokenizer = cfg.model, None, data.tokenizer
     if cfg.train.init_from:
         init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
         if not same_tokenizer(init_tok, tokenizer):
@@ -137,7 +168,9 @@ def resolve_config(cfg: Config, tokenizer: Tokenizer) -> tuple[Config, dict[str,
     path = str(Path(cfg.data.path).resolve()) if cfg.data.path else ""
     mix = [f"{os.path.abspath(s.path)}={s.weight}" for s in parse_mix(cfg.data.mix)]  # links kept: they name folders
     data_cfg = dataclasses.replace(cfg.data, path=path, mix=mix)
-    return dataclasses.replace(cfg, model=model_cfg, data=data_cfg), weights
+    prompt = sample_prompt(data.manifests) if cfg.eval.prompt == AUTO_PROMPT else cfg.eval.prompt
+    eval_cfg = dataclasses.replace(cfg.eval, prompt=prompt)
+    return dataclasses.replace(cfg, model=model_cfg, data=data_cfg, eval=eval_cfg), weights
 
 
 def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_from: Path | None) -> Config:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,9 @@ from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum, broadc
 # is not paced), each step until CALIBRATION_STEPS, then every REPLAN_EVERY steps from the last PACE_WINDOW steps'
 # pace; a plan that moved more than DRIFT from the last one said is said again.
 PLAN_AFTER, CALIBRATION_STEPS, REPLAN_EVERY, PACE_WINDOW, DRIFT = 2, 25, 10, 20, 0.05
+# The first and the final evaluation may take EVAL_SHARE of a time budget together: on a slow host they score fewer
+# validation tokens (the periodic ones, as many, are planned for like the steps).
+EVAL_SHARE = 0.25
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A training step returns to Python every few milliseconds; a main thread this long in one native call when a stop
 # signal comes is waiting on a peer rank that stopped responding, and would not reach the stop vote.
@@ -92,10 +96,24 @@ def _blocked_stack(seconds: float) -> traceback.StackSummary | None:
     return traceback.extract_stack(frame)
 
 
+def evaluation_seconds(cfg: Config) -> float:
+    """What the first evaluation (and the final one) may take under a time budget: half of EVAL_SHARE of it."""
+    return cfg.train.time_budget * EVAL_SHARE / 2
+
+
+@dataclass
+class Vote:
+    """What every rank does after a step: stop now (any rank's signal), or make the next step the last (no time)."""
+
+    signal: bool
+    out_of_time: bool
+
+
 class TimeBudget:
     """`train.time_budget` seconds for the whole run, evaluations, checkpoints and earlier commands of a resumed run
-    included (0: none). The step count is planned from the steps' recent pace after the first paced step and
-    planned again as the pace drifts, so the schedule's decay ends on time; rank 0's clock decides for every rank."""
+    included (0: none), kept to within about one step. The step count is planned from the steps' recent pace after
+    the first paced step and again as the pace drifts; whatever the plans, the last step is the schedule's last (a
+    run out of time takes one more, the last), so its decay ends on time. Rank 0's clock decides for every rank."""
 
     def __init__(self, cfg: Config, has_val: bool, env: DistEnv, device: torch.device, first_step: int = 0) -> None:
         self.seconds, self.env, self.device = cfg.train.time_budget, env, device
@@ -116,19 +134,32 @@ class TimeBudget:
         """No step count planned yet (the first steps of a command pay for warm-up: allocator, compilation)."""
         return self.seconds > 0 and step < self.first_step + PLAN_AFTER
 
+    def planned_now(self, step: int) -> bool:
+        """Whether `step` is the one after which the step count was first planned."""
+        return self.seconds > 0 and step == self.first_step + PLAN_AFTER
+
+    @property
+    def per_step(self) -> float:
+        """A step's seconds at the recent pace (0: none paced yet): a slowdown counts at once, a speed-up once the
+        window holds it."""
+        if not self._paces:
+            return 0.0
+        recent = self._paces[-REPLAN_EVERY:]
+        return max(sum(self._paces) / len(self._paces), sum(recent) / len(recent))
+
     def plan(self, step: int, max_steps: int, now: float, elapsed: float) -> int:
         """The step count that ends the run on time at the recent pace (`elapsed`: the run's seconds so far),
-        planned each step at first and every REPLAN_EVERY steps after; said when it moves by more than DRIFT."""
+        planned each step at first and every REPLAN_EVERY steps after; said when it moves by more than DRIFT.
+        Never `step` or fewer (the step just taken had an earlier plan's learning rate), nor past a finished one."""
         if self.seconds <= 0:
             return max_steps
         if self._mark is not None:  # the command's first step pays for warm-up: it has no mark before it
             self._paces = [*self._paces, now - self._mark - self._extra][-PACE_WINDOW:]
         self._mark, self._extra = now, 0.0
         since = step - self.first_step
-        if since < PLAN_AFTER or (since >= CALIBRATION_STEPS and since % REPLAN_EVERY):
+        if step >= max_steps or since < PLAN_AFTER or (since >= CALIBRATION_STEPS and since % REPLAN_EVERY):
             return max_steps
-        recent = self._paces[-REPLAN_EVERY:]  # a slowdown counts at once, a speed-up once the window holds it
-        per_step = max(sum(self._paces) / len(self._paces), sum(recent) / len(recent))
+        per_step = self.per_step
         left = self.seconds - elapsed - self.eval_seconds - self.save_seconds  # the final evaluation and save
         fitted = broadcast_int(self._fit(step, left, per_step), self.env, self.device)
         if self._said is None or abs(fitted - self._said) > DRIFT * self._said:
@@ -140,21 +171,18 @@ class TimeBudget:
         return fitted
 
     def _fit(self, step: int, left: float, per_step: float) -> int:
-        """The last step that ends within `left` seconds, with the evaluations and checkpoints due before it (this
-        step's own included: they run after the plan)."""
+        """The last step that ends within `left` seconds with the evaluations and checkpoints due before it (this
+        step's own included: they run after the plan); at least the next step."""
 
         def cost(last: int) -> float:
             due = [(last - 1) // n - (step - 1) // n if n else 0 for n in (self.eval_every, self.save_every)]
             return (last - step) * per_step + due[0] * self.eval_seconds + due[1] * self.save_seconds
 
-        spread = per_step + (self.eval_seconds / self.eval_every if self.eval_every else 0.0)
-        spread += self.save_seconds / self.save_every if self.save_every else 0.0
-        fitted = max(step, min(self.ceiling, step + int(left / spread)))
-        while fitted > step and cost(fitted) > left:
-            fitted -= 1
-        while fitted < self.ceiling and cost(fitted + 1) <= left:
-            fitted += 1
-        return fitted
+        low, high = step + 1, self.ceiling  # cost grows with the step count: bisect for the last that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if cost(middle) <= left else (low, middle - 1)
+        return low
 
     def _too_short(self, fitted: int, per_step: float) -> str:
         need = (self.warmup * 4) * per_step + self.eval_seconds
@@ -162,6 +190,10 @@ class TimeBudget:
             f"warning: only {fitted} steps fit in train.time_budget={self.seconds:.0f}, not past the learning rate's "
             f"{self.warmup}-step warm-up: the model will barely train (about {need:.0f}s would give 4x the warm-up)"
         )
+
+    def expect_evaluation(self, seconds: float) -> None:
+        """An evaluation is expected to take `seconds` (the plan reserves them for the final one until one ran)."""
+        self.eval_seconds = seconds
 
     def evaluated(self, seconds: float) -> None:
         """An evaluation took `seconds` (kept out of the steps' pace; the next ones are planned to cost as much)."""
@@ -173,14 +205,21 @@ class TimeBudget:
         self.save_seconds = seconds
         self._extra += seconds
 
-    def stop_vote(self, stop: StopSignal, elapsed: float) -> str | None:
-        """Why every rank should stop after this step, or None: any rank's signal, or rank 0 out of time."""
-        out_of_time = self.seconds > 0 and elapsed > self.seconds and self.env.is_main
+    def stop_vote(self, stop: StopSignal, elapsed: float) -> Vote:
+        """What every rank does after this step: stop on any rank's signal; make the next step the last when rank 0
+        has time for it alone, with the final evaluation and save (`elapsed`: the run's seconds so far)."""
+        after_next = elapsed + 2 * self.per_step + self.eval_seconds + self.save_seconds
+        out_of_time = self.seconds > 0 and after_next > self.seconds and self.env.is_main
         votes = torch.tensor([stop.received is not None, out_of_time], dtype=torch.long, device=self.device)
         if self.env.distributed:
             all_reduce_sum(votes, self.env)
-        if votes[0]:
-            return "a stop signal"
-        if votes[1]:
-            return f"the time budget of {self.seconds:.0f}s"
-        return None
+        return Vote(signal=bool(votes[0]), out_of_time=bool(votes[1]))
+
+    def last_step(self, step: int, max_steps: int) -> int:
+        """The step count once out of time after `step`: one more step, the schedule's last (said)."""
+        if step + 1 < max_steps:
+            print0(
+                self.env, f"time budget {self.seconds:.0f}s: out of time, step {step + 1} is the last (was {max_steps})"
+            )
+            self._said = step + 1
+        return min(max_steps, step + 1)

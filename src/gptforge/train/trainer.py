@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from gptforge.config import Config, to_dict, to_toml
+from gptforge.data.loader import TokenLoader
+from gptforge.data.mixture import MixtureLoader
 from gptforge.data.prefetch import Prefetcher
 from gptforge.files import atomic_write, locked
 from gptforge.rundir import CONFIG, METRICS, format_duration
@@ -25,13 +27,21 @@ from gptforge.runtime.device import resolve_device
 from gptforge.runtime.flops import Utilisation, format_mfu
 from gptforge.train.checkpointer import Checkpointer, find_resume
 from gptforge.train.claim import claim_run_dir
-from gptforge.train.evaluator import Evaluator
+from gptforge.train.evaluator import Evaluator, fit_evaluations
 from gptforge.train.metrics import MetricsLog, NullLog
 from gptforge.train.optim import lr_at, set_lr
-from gptforge.train.setup import build, open_data, resolve_config, resolve_precision, run_header, train_loader
+from gptforge.train.setup import (
+    TrainSetup,
+    build,
+    open_data,
+    resolve_config,
+    resolve_precision,
+    run_header,
+    train_loader,
+)
 from gptforge.train.state import TrainState, ramp_accumulation
 from gptforge.train.step import train_step
-from gptforge.train.stopping import StopSignal, TimeBudget
+from gptforge.train.stopping import StopSignal, TimeBudget, evaluation_seconds
 
 
 @dataclass
@@ -80,16 +90,83 @@ def _train(
     cleanup: contextlib.ExitStack,
 ) -> TrainResult:
     t_start = time.perf_counter()
+    run = _set_up(cfg, run_dir, resume=resume, env=env, device=device, cleanup=cleanup, t_start=t_start)
+    if isinstance(run, TrainResult):  # a resumed run with nothing left to train
+        return run
+    state, checkpointer = run.state, run.checkpointer
+    first_val = last_val = _evaluate(run) if state.step == 0 else None
+    run.t_loop = time.perf_counter()
+    run.s.model.train()
+    # Batches are read ahead on a thread; `batches.state_dict()` is the position after the last one trained on.
+    batches = cleanup.enter_context(Prefetcher(run.loader, pin_memory=device.type == "cuda"))
+    while state.step < state.max_steps:
+        _report(run, batches, _step(run, batches))
+        if state.step < state.max_steps and run.evaluate.due(state.step):
+            last_val = _evaluate(run)
+        if state.step < state.max_steps and checkpointer.due(state.step):
+            checkpointer.save(state, batches, background=True)
+            run.budget.saved(checkpointer.seconds)
+        if _stop_now(run, stop):
+            break
+
+    last_val = run.evaluate(state.step) or last_val
+    final = checkpointer.save(state, batches)
+    seconds = time.perf_counter() - t_start
+    run.print0(f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(seconds)}; saved {final}")
+    return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, run.cfg)
+
+
+@dataclass
+class _Run:
+    """What the loop works with, built once by `_set_up`."""
+
+    cfg: Config
+    env: distributed.DistEnv
+    s: TrainSetup
+    loader: TokenLoader | MixtureLoader
+    state: TrainState
+    checkpointer: Checkpointer
+    metrics: MetricsLog | NullLog
+    evaluate: Evaluator
+    budget: TimeBudget
+    utilisation: Utilisation
+    t_start: float
+    """When this command started (perf_counter)."""
+    spent: float
+    """Seconds the run's earlier commands took: a time budget is the run's."""
+    step_loop: int
+    """The step this command's loop started from; `t_loop`, when (the console's pace counts from there)."""
+    t_loop: float = 0.0
+
+    def print0(self, text: str) -> None:
+        distributed.print0(self.env, text)
+
+
+def _set_up(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: str | None,
+    env: distributed.DistEnv,
+    device: torch.device,
+    cleanup: contextlib.ExitStack,
+    t_start: float,
+) -> _Run | TrainResult:
+    """The data, resolved config, model, checkpointer (restored on resume), log, evaluator and time budget; or the
+    result of a resumed run with nothing left to train."""
     print0 = functools.partial(distributed.print0, env)
     data = open_data(cfg)
-    cfg, init_weights = resolve_config(cfg, data.tokenizer)
+    cfg, init_weights = resolve_config(cfg, data)
     resume_from = _claim(run_dir, resume, data.folders, env, cleanup)
     cfg = resolve_precision(cfg, device, env, resume_from)
     s = build(cfg, env, device, init_weights)
     print0(run_header(cfg, s, data.tokenizer.name, env.world_size))
-    B, T, world = cfg.train.micro_batch, cfg.model.block_size, env.world_size
+    eval_seconds = 0.0
+    if cfg.train.time_budget:  # before config.toml and checkpoints record eval.tokens
+        cfg, eval_seconds = fit_evaluations(cfg, s, data, env, evaluation_seconds(cfg))
     loader = train_loader(cfg, data, env)
-    print0(loader.describe(cfg.train.max_steps * cfg.train.batch_tokens))
+    if not cfg.train.time_budget:  # a time budget's tokens are said once it has planned them
+        print0(loader.describe(cfg.train.max_steps * cfg.train.batch_tokens))
     state = TrainState(max_steps=cfg.train.max_steps)
     checkpointer = Checkpointer(run_dir, cfg, data, s, env)
     changes = checkpointer.restore(resume_from, state, loader) if resume_from else []
@@ -99,56 +176,78 @@ def _train(
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env))
     if restarting:  # readers drop what an earlier attempt logged past this step (rundir.read_metrics)
         metrics.write("resume", state.step, checkpoint=str(resume_from or ""), changes=changes)
-    evaluate = Evaluator(cfg, s, data, metrics, run_dir, env)
     budget = TimeBudget(cfg, data.has_val, env, device, first_step=state.step)
-    utilisation = Utilisation(s.peak_flops, device, s.dtype)
+    budget.expect_evaluation(eval_seconds)
+    return _Run(
+        cfg=cfg,
+        env=env,
+        s=s,
+        loader=loader,
+        state=state,
+        checkpointer=checkpointer,
+        metrics=metrics,
+        evaluate=Evaluator(cfg, s, data, metrics, run_dir, env),
+        budget=budget,
+        utilisation=Utilisation(s.peak_flops, device, s.dtype),
+        t_start=t_start,
+        spent=state.seconds,
+        step_loop=state.step,
+    )
 
-    first_val = last_val = evaluate(state.step) if state.step == 0 else None
-    budget.evaluated(evaluate.seconds)
-    spent = state.seconds  # by earlier commands of this run: a time budget is the run's
-    t_loop, step_loop = time.perf_counter(), state.step
-    s.model.train()
-    # Batches are read ahead on a thread; `batches.state_dict()` is the position after the last one trained on.
-    batches = cleanup.enter_context(Prefetcher(loader, pin_memory=device.type == "cuda"))
-    while state.step < state.max_steps:
-        t0 = time.perf_counter()
-        lr = set_lr(s.optimizer, lr_at(state.step, cfg.optim, state.max_steps))
-        accum = ramp_accumulation(state.tokens, s.grad_accum, cfg.train.batch_ramp_tokens)
-        loss, norm, applied = train_step(
-            s.train_model, s.model, s.optimizer, s.scaler, batches.next_batch, accum, cfg.optim.grad_clip, s.dtype, env
-        )
-        step_tokens = accum * B * T * world
-        state.advance(applied, step_tokens)
-        now = time.perf_counter()
-        dt, state.seconds = now - t0, spent + now - t_start
-        mfu = utilisation(s.model.flops_per_token(T) * step_tokens / dt / world)
-        stats = StepStats(loss.item(), lr, float(norm), dt * 1000, step_tokens / dt, mfu)
-        if not applied:
-            print0(f"step {state.step}: non-finite loss or gradient ({stats.loss}, norm {stats.grad_norm}): skipped")
-            state.check_skips(cfg.train.max_skips, checkpointer.last_good)
-        state.max_steps = budget.plan(state.step, state.max_steps, now, state.seconds)
-        progress = loader.progress(batches.state_dict())
-        metrics.write("train", state.step, **asdict(stats), tokens=state.tokens, skipped=state.skipped, **progress)
-        if state.step % max(1, cfg.log.every) == 0 or state.step in (step_loop + 1, state.max_steps):
-            pace = (time.perf_counter() - t_loop) / (state.step - step_loop)
-            print0(_step_line(state, budget, pace, stats))
-        if state.step < state.max_steps and evaluate.due(state.step):
-            last_val = evaluate(state.step)
-            budget.evaluated(evaluate.seconds)
-        if state.step < state.max_steps and checkpointer.due(state.step):
-            checkpointer.save(state, batches, background=True)
-            budget.saved(checkpointer.seconds)
-        # Every rank must leave the loop at the same step.
-        why = budget.stop_vote(stop, state.seconds)
-        if state.step < state.max_steps and why:
-            print0(f"stopping at step {state.step} of {state.max_steps} on {why}: saving a checkpoint")
-            break
 
-    last_val = evaluate(state.step) or last_val
-    final = checkpointer.save(state, batches)
-    seconds = time.perf_counter() - t_start
-    print0(f"done: {state.step} steps, {state.tokens:,} tokens in {format_duration(seconds)}; saved {final}")
-    return TrainResult(run_dir, final, state.step, state.tokens, seconds, first_val, last_val, cfg)
+def _step(run: _Run, batches: Prefetcher) -> StepStats:
+    """One optimizer step at the schedule's learning rate, counted; the time budget plans the step count after it."""
+    cfg, s, state, world = run.cfg, run.s, run.state, run.env.world_size
+    t0 = time.perf_counter()
+    lr = set_lr(s.optimizer, lr_at(state.step, cfg.optim, state.max_steps))
+    accum = ramp_accumulation(state.tokens, s.grad_accum, cfg.train.batch_ramp_tokens)
+    loss, norm, applied = train_step(
+        s.train_model, s.model, s.optimizer, s.scaler, batches.next_batch, accum, cfg.optim.grad_clip, s.dtype, run.env
+    )
+    step_tokens = accum * cfg.train.micro_batch * cfg.model.block_size * world
+    state.advance(applied, step_tokens)
+    now = time.perf_counter()
+    dt, state.seconds = now - t0, run.spent + now - run.t_start
+    mfu = run.utilisation(s.model.flops_per_token(cfg.model.block_size) * step_tokens / dt / world)
+    stats = StepStats(loss.item(), lr, float(norm), dt * 1000, step_tokens / dt, mfu)
+    if not applied:
+        run.print0(f"step {state.step}: non-finite loss or gradient ({stats.loss}, norm {stats.grad_norm}): skipped")
+        state.check_skips(cfg.train.max_skips, run.checkpointer.last_good)
+    state.max_steps = run.budget.plan(state.step, state.max_steps, now, state.seconds)
+    return stats
+
+
+def _report(run: _Run, batches: Prefetcher, stats: StepStats) -> None:
+    """A step's metrics record, and its console line when due (every log.every, the first and the last step)."""
+    state = run.state
+    if run.budget.planned_now(state.step):
+        run.print0(run.loader.describe(state.max_steps * run.cfg.train.batch_tokens))
+    progress = run.loader.progress(batches.state_dict())
+    run.metrics.write("train", state.step, **asdict(stats), tokens=state.tokens, skipped=state.skipped, **progress)
+    if state.step % max(1, run.cfg.log.every) == 0 or state.step in (run.step_loop + 1, state.max_steps):
+        pace = (time.perf_counter() - run.t_loop) / (state.step - run.step_loop)
+        run.print0(_step_line(state, run.budget, pace, stats))
+
+
+def _evaluate(run: _Run) -> dict[str, float] | None:
+    """An evaluation at this step; the time budget keeps its time out of the steps' pace and plans with it."""
+    val = run.evaluate(run.state.step)
+    if val is not None:
+        run.budget.evaluated(run.evaluate.seconds)
+    return val
+
+
+def _stop_now(run: _Run, stop: StopSignal) -> bool:
+    """Whether every rank leaves the loop now: on any rank's stop signal (a checkpoint is saved). Out of time, the
+    next step is made the last, so that the schedule's decay still ends at it."""
+    state = run.state
+    vote = run.budget.stop_vote(stop, state.seconds)
+    if vote.out_of_time:
+        state.max_steps = run.budget.last_step(state.step, state.max_steps)
+    if vote.signal and state.step < state.max_steps:
+        run.print0(f"stopping at step {state.step} of {state.max_steps} on a stop signal: saving a checkpoint")
+        return True
+    return False
 
 
 def _complete(run_dir: Path, ckpt: Path, state: TrainState, cfg: Config, env: distributed.DistEnv) -> TrainResult:
