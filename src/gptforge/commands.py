@@ -149,6 +149,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
         use_cache=not args.no_cache,
         dtype=args.dtype,
         suffix=args.suffix,
+        chat=args.chat,
     )
     at_line_start = True
     try:
@@ -160,9 +161,31 @@ def cmd_sample(args: argparse.Namespace) -> None:
             print(flush=True)
 
 
-def cmd_export(args: argparse.Namespace) -> None:
-    from gptforge.hub.publish import export_checkpoint, export_gguf
+def cmd_chat(args: argparse.Namespace) -> None:
+    from gptforge.runtime.threads import use_threads
+    from gptforge.sample import ChatSettings, chat_session
 
+    use_threads(args.threads or 0)
+    settings = ChatSettings(
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    chat_session(args.checkpoint, settings, device=args.device, dtype=args.dtype)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from gptforge.hub.publish import export_adapter, export_checkpoint, export_gguf
+
+    if args.format == "peft":
+        for flag in ("push", "branch", "message", "gguf_type"):
+            if getattr(args, flag):
+                raise GptforgeError(f"--{flag.replace('_', '-')}: not with --format peft")
+        print(export_adapter(args.checkpoint, args.out, args.force))
+        return
     if args.format == "gguf":
         for flag in ("push", "branch", "message"):
             if getattr(args, flag):

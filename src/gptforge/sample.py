@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
+from gptforge.data.chat import ChatTokenizer, Message, format_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream
@@ -31,11 +33,15 @@ def sample_texts(
     use_cache: bool = True,
     dtype: str = "auto",
     suffix: str | None = None,
+    chat: bool = False,
 ) -> Iterator[str]:
     """Load the checkpoint (a bad one fails here), then yield text to print as it is generated: a
     `--- sample N` line, the prompt, its continuation (with `suffix`: the middle, in reverse video on a terminal,
-    then the suffix) and a newline, for each sample of each prompt."""
+    then the suffix; with `chat`: the reply to the prompt as a user's message) and a newline, for each sample of
+    each prompt."""
     run = load_for_inference(checkpoint, device, dtype)
+    if chat:
+        check_chat_model(run, checkpoint, "--chat")
     if suffix is not None and not isinstance(run.tokenizer, FIMTokenizer):
         raise GptforgeError(
             f"--suffix: {checkpoint} was trained without fill-in-the-middle (data.fim_rate=0), so it cannot infill; "
@@ -43,43 +49,130 @@ def sample_texts(
         )
     g = torch.Generator(device=run.device).manual_seed(seed)
     settings = (max_new_tokens, 1, temperature, top_k, top_p, run.tokenizer.eot, g, use_cache)
-    return _pieces(run, prompts, num_samples, settings, suffix)
+    return _pieces(run, prompts, num_samples, settings, suffix, chat)
 
 
-def _pieces(run: Inference, prompts: list[str], num_samples: int, settings: tuple, suffix: str | None) -> Iterator[str]:
+def check_chat_model(run: Inference, checkpoint: str, flag: str) -> None:
+    """Refuse a model that was never taught the chat template: its vocabulary has no <|im_start|> to read."""
+    if not isinstance(run.tokenizer, ChatTokenizer):
+        raise GptforgeError(
+            f"{flag}: {checkpoint} is a base model without the chat template; fine-tune it on conversations first "
+            "(prepare --chat, then train with --set train.init_from=" + checkpoint + ")"
+        )
+
+
+def _pieces(
+    run: Inference, prompts: list[str], num_samples: int, settings: tuple, suffix: str | None, chat: bool
+) -> Iterator[str]:
     tok, index = run.tokenizer, 0
-    ends = end_ids(tok)
     for prompt in prompts:
-        # An empty prompt starts a fresh document, as training documents start after EOT.
-        ids = infill_prompt(tok, prompt, suffix) if suffix is not None else tok.encode(prompt) or [tok.eot]
-        if suffix is not None and len(ids) > run.model.config.block_size:  # past it the sentinels would slide out
+        if chat:
+            ids = format_chat(tok, [Message("user", prompt)], add_generation_prompt=True).ids.tolist()
+        else:  # an empty prompt starts a fresh document, as training documents start after EOT
+            ids = infill_prompt(tok, prompt, suffix) if suffix is not None else tok.encode(prompt) or [tok.eot]
+        # Past the context the start would slide out: the sentinels of an infill, the template's start of a chat.
+        if len(ids) > run.model.config.block_size - int(chat) and (suffix is not None or chat):
+            flags, kind = ("--prompt", "chat") if chat else ("--prompt/--suffix", "infill")
             raise GptforgeError(
-                f"--prompt/--suffix: the infill prompt has {len(ids):,} tokens, the model's context "
-                f"{run.model.config.block_size:,}; shorten the prefix or the suffix"
+                f"{flags}: the {kind} prompt has {len(ids):,} tokens, the model's context "
+                f"{run.model.config.block_size:,}; shorten {'it' if chat else 'the prefix or the suffix'}"
             )
         steps = settings
         if suffix is not None:  # the middle ends where the context does, its sentinels still in the window
             steps = (min(settings[0], run.model.config.block_size - len(ids) + 1), *settings[1:])
         mark = _reverse if suffix is not None and sys.stdout.isatty() else str
         for _ in range(num_samples):
-            yield f"--- sample {index}\n{prompt}"
-            new: list[int] = []
-            shown = ""
-            tokens = stream(run.model, ids, *steps)
-            while True:
-                with autocast(run.device, run.dtype):  # around the model only, not around our caller's code
-                    nxt = next(tokens, None)
-                if nxt is None or int(nxt) in ends:  # an infilled middle ends where the document would
-                    break
-                new.append(int(nxt))
-                text = tok.decode(new)
-                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    yield mark(text[len(shown) :])
-                    shown = text
-            yield mark(tok.decode(new)[len(shown) :]) + (suffix or "") + "\n"
+            yield f"--- sample {index}\n{'' if chat else prompt}"
+            for piece in reply_pieces(run, ids, steps):
+                yield mark(piece)
+            yield (suffix or "") + "\n"
             index += 1
+
+
+def reply_pieces(run: Inference, ids: list[int], steps: tuple) -> Iterator[str]:
+    """The text generated after `ids`, in printable pieces as tokens arrive, up to an end token (EOT, an infill's
+    sentinel, a chat turn's end) or `steps[0]` tokens."""
+    tok, ends = run.tokenizer, end_ids(run.tokenizer)
+    new: list[int] = []
+    shown = ""
+    tokens = stream(run.model, ids, *steps)
+    while True:
+        with autocast(run.device, run.dtype):  # around the model only, not around our caller's code
+            nxt = next(tokens, None)
+        if nxt is None or int(nxt) in ends:
+            break
+        new.append(int(nxt))
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            yield text[len(shown) :]
+            shown = text
+    yield tok.decode(new)[len(shown) :]
 
 
 def _reverse(text: str) -> str:
     """`text` in reverse video, each piece on its own, so an error mid-sample leaves the terminal as it was."""
     return f"{REVERSE}{text}{NORMAL}" if text else ""
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system: str = ""
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_k: int | None = 50
+    top_p: float | None = None
+    seed: int = 0
+
+
+def chat_session(
+    checkpoint: str, settings: ChatSettings, read=input, write=print, device: str = "auto", dtype: str = "auto"
+) -> None:
+    """`gptforge chat`: a conversation in the terminal. Each line is the user's message and the reply streams as
+    it comes; /reset forgets the conversation, /exit or end of input ends it. The oldest turns leave the context
+    first (a system message stays)."""
+    run = load_for_inference(checkpoint, device, dtype)
+    check_chat_model(run, checkpoint, "gptforge chat")
+    block, budget = run.model.config.block_size, settings.max_new_tokens
+    system = [Message("system", settings.system)] if settings.system else []
+    g = torch.Generator(device=run.device).manual_seed(settings.seed)
+    steps = (budget, 1, settings.temperature, settings.top_k, settings.top_p, run.tokenizer.eot, g, True)
+    write(f"{checkpoint}: {block:,} tokens of context. /reset starts over, /exit (or Ctrl-D) ends.")
+    turns: list[Message] = []
+    while True:
+        try:
+            line = read("you> ")
+        except (EOFError, KeyboardInterrupt):
+            write("")
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            turns = []
+            write("(a new conversation)")
+            continue
+        turns.append(Message("user", line))
+        ids, kept = _fit(run, system, turns, block - min(budget, block // 2))
+        if ids is None:
+            turns.pop()
+            write("(that message alone is longer than the model's context; say it in fewer words)")
+            continue
+        turns = kept
+        reply = []
+        for piece in reply_pieces(run, ids, (min(budget, block - len(ids)), *steps[1:])):
+            reply.append(piece)
+            write(piece, end="", flush=True)
+        write("")
+        turns.append(Message("assistant", "".join(reply)))
+
+
+def _fit(run: Inference, system: list[Message], turns: list[Message], room: int) -> tuple[list[int] | None, list]:
+    """The prompt ids of the conversation, its oldest turns dropped until it fits `room` tokens (None: the last
+    message alone does not), and the turns kept."""
+    while turns:
+        ids = format_chat(run.tokenizer, [*system, *turns], add_generation_prompt=True).ids.tolist()
+        if len(ids) <= room:
+            return ids, turns
+        if len(turns) == 1:
+            return None, []
+        turns = turns[2:] if turns[0].role == "user" and len(turns) > 2 else turns[1:]
+    return None, []

@@ -33,6 +33,7 @@ from gptforge.config.sections import (
 from gptforge.errors import GptforgeError
 from gptforge.files import read_text
 from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
+from gptforge.model.lora import LoRASpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -141,6 +142,14 @@ def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     return validate(cfg, "checkpoint config")
 
 
+def lora_spec(train: TrainConfig) -> LoRASpec | None:
+    """The adapters train.lora_* describe, or None for a run that trains every weight."""
+    if not train.lora_rank:
+        return None
+    targets = tuple(train.lora_targets.split(","))
+    return LoRASpec(rank=train.lora_rank, alpha=train.lora_alpha, dropout=train.lora_dropout, targets=targets)
+
+
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
@@ -191,6 +200,7 @@ __all__ = [
     "config_from_dict",
     "describe",
     "load_config",
+    "lora_spec",
     "preset_names",
     "preset_path",
     "to_dict",

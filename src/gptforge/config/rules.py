@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from gptforge.config.sections import PARALLEL, SCHEDULES, Config
+from gptforge.data.chat import TEMPLATE_NAME
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.model.lora import TARGETS as LORA_TARGETS
@@ -60,6 +61,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.muon_momentum": _within(0, 1),
     "data.fim_rate": _within(0, 1, high_ok=True),
     "data.fim_spm_rate": _within(0, 1, high_ok=True),
+    "data.chat_template": _one_of("", TEMPLATE_NAME),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _within(1, 2**48, high_ok=True),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),

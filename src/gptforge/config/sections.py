@@ -23,8 +23,12 @@ class DataConfig:
     left to right."""
     fim_spm_rate: float = 0.5
     """Of the rearranged documents, the share in suffix-prefix-middle order (the rest prefix-suffix-middle)."""
+    chat_template: str = ""
+    """chatml for a model that speaks in conversations (its tokenizer gains <|im_start|> and <|im_end|>); set by
+    training on a folder of `prepare --chat`, or kept from train.init_from's model; empty: a base model."""
 
 
+AUTO_PROMPT = "auto"  # eval.prompt: chosen by the data's main language
 AUTO_PROMPT = "auto"  # eval.prompt: chosen by the data's main language
 SCHEDULES = ("cosine", "wsd", "constant")  # optim.lr_at computes each
 PARALLEL = ("ddp", "fsdp")  # how train.parallel spreads a model over the processes

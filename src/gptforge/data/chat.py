@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gptforge.data.fim import FIM_TEXTS
+from gptforge.data.fim import FIM_TEXTS, with_fim
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 
@@ -62,6 +62,7 @@ class ChatTokenizer(Tokenizer):
         self.im_start, self.im_end = base.vocab_size, base.vocab_size + 1
         self.vocab_size = base.vocab_size + len(CHAT_TEXTS)
         self.sentinels = getattr(base, "sentinels", None)  # a FIM base keeps infilling
+        self.stop_ids = (self.im_end,)  # a reply ends with its turn
 
     def encode(self, text: str) -> list[int]:
         return self.base.encode(text)
@@ -87,6 +88,13 @@ def added_tokens(tokenizer: Tokenizer) -> dict[int, str]:
         found.update({base.vocab_size + i: t for i, t in enumerate(texts)})
         tokenizer = base
     return dict(sorted(found.items()))
+
+
+def model_tokenizer(base: Tokenizer, fim_rate: float, chat_template: str) -> Tokenizer:
+    """The tokenizer a model trained with these data settings speaks: FIM's sentinels when it trained with FIM,
+    then the chat template's tokens when it speaks in conversations."""
+    tokenizer = with_fim(base, fim_rate)
+    return with_chat(tokenizer) if chat_template else tokenizer
 
 
 def with_chat(tokenizer: Tokenizer) -> ChatTokenizer:

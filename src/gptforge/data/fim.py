@@ -59,9 +59,10 @@ def with_fim(tokenizer: Tokenizer, fim_rate: float) -> Tokenizer:
 
 
 def end_ids(tokenizer: Tokenizer) -> set[int]:
-    """Tokens that end a generated text: EOT, and a FIM model's sentinels (an infilled middle ends there too)."""
-    sentinels = vars(tokenizer.sentinels).values() if isinstance(tokenizer, FIMTokenizer) else ()
-    return {tokenizer.eot, *sentinels}
+    """Tokens that end a generated text: EOT, a FIM model's sentinels (an infilled middle ends there too), and a
+    chat model's end of turn (its `stop_ids`)."""
+    sentinels = getattr(tokenizer, "sentinels", None)
+    return {tokenizer.eot, *(vars(sentinels).values() if sentinels else ()), *getattr(tokenizer, "stop_ids", ())}
 
 
 def infill_prompt(tokenizer: FIMTokenizer, prefix: str, suffix: str) -> list[int]:

@@ -6,12 +6,13 @@ import tempfile
 from pathlib import Path
 
 from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
-from gptforge.config import Config
+from gptforge.config import Config, lora_spec
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import check_output_dir, check_output_file
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.git import push_folder
+from gptforge.hub.peft_export import BASE, export_peft
 from gptforge.model.gpt import GPT
 
 
@@ -38,6 +39,17 @@ def export_checkpoint(
             raise GptforgeError(f"wrote {out}, but the push failed: {e}") from None
         done.append(f"pushed {commit[:12]} to {push} branch {branch}")
     return done
+
+
+def export_adapter(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> str:
+    """`gptforge export --format peft`: a LoRA run's adapters as a PEFT folder, its base model in OUT/base."""
+    check_output_dir(out_dir, force, reads=[resolve_checkpoint(checkpoint)])
+    model, tok, cfg, _ = load_checkpoint(checkpoint, merge=False)
+    spec = lora_spec(cfg.train)
+    if spec is None:
+        raise GptforgeError(f"--format peft: {checkpoint} trained every weight (train.lora_rank=0): no adapters")
+    out = export_peft(model, tok, spec, out_dir)
+    return f"wrote {out} (adapter_config.json, adapter_model.safetensors; the base model in {out}/{BASE})"
 
 
 def run_name(ckpt: Path) -> str:

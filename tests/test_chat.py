@@ -1,0 +1,91 @@
+"""`sample --chat` and `gptforge chat`: a chat checkpoint's replies in the terminal; a base model is refused."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gptforge.checkpoint import load_checkpoint, write_checkpoint
+from gptforge.cli import main
+from gptforge.config import load_config
+from gptforge.data.chat import Message, format_chat, with_chat
+from gptforge.data.tokenizer import load_tokenizer
+from gptforge.model.generate import generate
+from gptforge.model.gpt import GPT
+from gptforge.sample import ChatSettings, chat_session
+
+
+def _checkpoint(path, chat: bool):
+    cfg = load_config("tiny")
+    base = load_tokenizer("gpt2")
+    tok = with_chat(base) if chat else base
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size, block_size=48)
+    cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, chat_template="chatml" * chat))
+    torch.manual_seed(0)
+    write_checkpoint(path, GPT(model_cfg), None, cfg, base, {"step": 1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", chat=True)
+
+
+def test_a_chat_checkpoint_loads_with_its_template_tokens_and_sample_chat_prints_the_greedy_reply(chat_ckpt, capsys):
+    model, tok, _, _ = load_checkpoint(chat_ckpt)
+    assert (tok.im_start, tok.im_end) == (50257, 50258)
+    prompt = format_chat(tok, [Message("user", "hello")], add_generation_prompt=True).ids.tolist()
+    reply = tok.decode(generate(model, prompt, 8, temperature=0.0, eot=tok.im_end)[0])
+    args = ["sample", str(chat_ckpt), "--chat", "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"]
+    assert main(args) == 0
+    assert capsys.readouterr().out == f"--- sample 0\n{reply}\n"
+
+
+def test_the_terminal_chat_keeps_the_conversation_and_resets_on_request(chat_ckpt, monkeypatch):
+    model, tok, _, _ = load_checkpoint(chat_ckpt)
+    said, lines = [], iter(["hi", "and again", "/reset", "hi", "/exit"])
+    monkeypatch.setattr("gptforge.sample.format_chat", _spy := SpyFormat(format_chat))
+    chat_session(
+        str(chat_ckpt),
+        ChatSettings(system="Be brief.", temperature=0.0, max_new_tokens=6),
+        read=lambda prompt: next(lines),
+        write=lambda *a, **k: said.append(a[0] if a else ""),
+    )
+    seen = [[m.role for m in conversation] for conversation in _spy.calls]
+    assert seen == [
+        ["system", "user"],
+        ["system", "user", "assistant", "user"],
+        ["system", "user"],  # after /reset
+    ]
+    assert "(a new conversation)" in said
+    first = "".join(said[1 : said.index("", 1)])
+    prompt = format_chat(tok, [Message("system", "Be brief."), Message("user", "hi")], True).ids.tolist()
+    assert first == tok.decode(generate(model, prompt, 6, temperature=0.0, eot=tok.im_end)[0])
+
+
+class SpyFormat:
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, tok, messages, add_generation_prompt):
+        self.calls.append(list(messages))
+        return self.real(tok, messages, add_generation_prompt)
+
+
+def test_the_oldest_turns_leave_a_full_context_and_an_overlong_message_is_said(chat_ckpt):
+    said, lines = [], iter(["word " * 30, "word " * 200, "short", "/exit"])
+    chat_session(
+        str(chat_ckpt),
+        ChatSettings(temperature=0.0, max_new_tokens=4),
+        read=lambda prompt: next(lines),
+        write=lambda *a, **k: said.append(a[0] if a else ""),
+    )
+    assert any("longer than the model's context" in s for s in said)
+
+
+def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):
+    base = _checkpoint(tmp_path / "base", chat=False)
+    assert main(["sample", str(base), "--chat", "--prompt", "hi"]) == 1
+    assert main(["chat", str(base)]) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all("is a base model without the chat template" in e for e in errors)
