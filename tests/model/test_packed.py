@@ -56,3 +56,18 @@ def test_the_loss_is_the_mean_over_the_targets_kept_and_zero_when_none_are():
         _, zero = model(idx, torch.full_like(targets, -1), docs=docs)
         zero.backward()
         assert zero.item() == 0.0 and all(p.grad is not None for p in model.parameters())
+
+
+def test_a_model_with_a_document_token_packs_its_training_rows_by_it():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, document_token=60)).eval()
+    idx = torch.tensor([[5, 6, 7, 60, 8, 9, 60, 10]])
+    targets = torch.tensor([[-1, 7, 60, -1, 9, 60, -1, 11]])
+    _, loss = model(idx, targets)
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2]])
+    logits, expected = model(idx, targets, all_logits=True, docs=docs)
+    torch.testing.assert_close(loss, expected)
+    alone = model(torch.tensor([[8, 9, 60]]), all_logits=True)[0]
+    torch.testing.assert_close(logits[:, 4:7], alone, rtol=1e-5, atol=1e-5)
+    generated = model(idx)[0]  # no targets: inference reads the row as one text
+    torch.testing.assert_close(generated, model(idx, all_logits=True)[0][:, -1:])

@@ -45,6 +45,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "model.rope_theta": _at_least(1),  # below 1 every dimension turns faster than a radian a token (tiny: NaN)
     "model.mlp": _one_of("gelu", "swiglu", "relu2"),
     "model.mlp_hidden": _within(0, 2**20, high_ok=True),
+    "model.document_token": _within(-1, 2**24),
     "optim.lr": _POSITIVE,
     "optim.min_lr_ratio": _within(0, 1, high_ok=True),
     "optim.warmup_steps": _at_least(0),

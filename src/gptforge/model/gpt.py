@@ -61,6 +61,10 @@ class GPTConfig:
     logits never exist: less memory, same loss and gradients as the plain path."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them: less memory, ~30% more compute."""
+    document_token: int = -1
+    """In training and evaluation rows, the token that ends each packed document (EOT): each document then starts
+    at position 0 and attends only to itself, as it would alone, and targets < 0 leave the loss. Fine-tuning on
+    conversations sets it; -1: rows are one stream (pretraining)."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -332,6 +336,9 @@ class GPT(nn.Module):
         if end > self.config.block_size:
             raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
         allowed = None
+        if docs is None and targets is not None and cache is None and self.config.document_token >= 0:
+            ends = idx == self.config.document_token  # an end belongs to the document it ends
+            docs = torch.cumsum(ends, dim=1) - ends.long()
         if docs is not None:
             pos, allowed = document_mask(docs)
         elif cache is not None:
