@@ -48,3 +48,17 @@ def test_a_reply_counts_when_it_parses_and_defines_the_function_asked_for():
     assert not defines_function("def peek(self):\nreturn 1\n", "peek")
     assert not defines_function("def top(self):\n    return 1\n", "peek")
     assert not defines_function("peek = lambda: 1\n", "peek")
+
+
+def test_conversations_take_their_file_s_split():
+    from gptforge.data.instructions import conversation_rows
+    from gptforge.data.pipeline import is_validation
+
+    documents = [(f"pkg/m{i}.py", SOURCE) for i in range(40)]
+    rows = list(conversation_rows(documents, val_fraction=0.2, seed=3))
+    assert len(rows) == 80 and {r["source"].split(":")[1] for r in rows} == {"peek", "fetch"}
+    for row in rows:
+        name = row["source"].split(":")[0]
+        index = int(name[5:-3])
+        assert row["split"] == ("val" if is_validation(name, index, 0.2, 3) else "train")
+    assert 0 < sum(r["split"] == "val" for r in rows) < 80

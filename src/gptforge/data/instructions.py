@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from gptforge.data.chat import Message
+from gptforge.data.pipeline import is_validation
 
 MAX_SOURCE_CHARS = 1500  # a reply must fit the demo's context with its request (~4 characters a token)
 MIN_SOURCE_LINES = 3
@@ -41,6 +42,16 @@ def function_tasks(documents: Iterable[tuple[str, str]]) -> Iterator[FunctionTas
             task = _task(doc_name, lines, node)
             if task is not None:
                 yield task
+
+
+def conversation_rows(documents: Iterable[tuple[str, str]], val_fraction: float, seed: int = 0) -> Iterator[dict]:
+    """`prepare --chat` rows of every function task, each in the split its file has when `prepare` holds out
+    `val_fraction` of the same documents: a held-out conversation comes from a file no training one comes from."""
+    for index, (name, text) in enumerate(documents):
+        split = "val" if is_validation(name, index, val_fraction, seed) else "train"
+        for task in function_tasks([(name, text)]):
+            messages = [{"role": m.role, "content": m.content} for m in task.messages]
+            yield {"messages": messages, "split": split, "source": f"{name}:{task.name}"}
 
 
 def request_text(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
