@@ -141,6 +141,23 @@ def test_weights_gone_non_finite_are_never_saved_and_never_prune_the_last_good_o
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
+def test_checkpoints_saved_amid_skipped_steps_never_prune_the_last_good_one(data_dir, tmp_path, monkeypatch):
+    from gptforge.model.gpt import GPT
+
+    original, calls = GPT.forward, []
+
+    def poisoned_after_step_1(self, idx, targets=None, cache=None):
+        logits, loss = original(self, idx, targets, cache)
+        if self.training and loss is not None:
+            calls.append(1)
+            loss = loss * float("nan") if len(calls) > 2 else loss  # step 1's two micro-batches are fine
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned_after_step_1)
+    train(tiny(data_dir, "train.max_steps=3", "checkpoint.every=1", "checkpoint.keep_last=1"), tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000003"]
+
+
 def assert_same_weights(a, b):
     wa, wb = load_checkpoint(a)[0].state_dict(), load_checkpoint(b)[0].state_dict()
     for name in wa:

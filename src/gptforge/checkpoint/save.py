@@ -137,15 +137,18 @@ def _write_files(
     write_json(tmp / META, {**meta, "config": to_dict(cfg), "tokenizer": tokenizer.name})
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int, milestone_every: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints, sparing steps that are multiples of milestone_every."""
+def prune_checkpoints(
+    run_dir: str | Path, keep_last: int, milestone_every: int, *, spare: Path | None = None
+) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints, sparing steps that are multiples of milestone_every and
+    `spare` (the run's last good checkpoint: newer ones saved amid skipped steps never push it out)."""
     if keep_last < 1:
         raise GptforgeError(f"checkpoint.keep_last={keep_last}: pruning keeps at least the newest checkpoint")
-    ckpts = checkpoints(run_dir)
+    ckpts, keep = checkpoints(run_dir), spare.resolve() if spare else None
     doomed = [
         p
         for p in ckpts[: max(0, len(ckpts) - keep_last)]
-        if not (milestone_every and step_of(p) % milestone_every == 0)
+        if not (milestone_every and step_of(p) % milestone_every == 0) and p.resolve() != keep
     ]
     for p in doomed:
         shutil.rmtree(p)

@@ -81,7 +81,7 @@ class Checkpointer:
         path = end_checkpoint(saving, self.env)
         self.last_good = path if good else self.last_good
         if self.env.is_main and ckpt.keep_last:
-            prune_checkpoints(self.run_dir, ckpt.keep_last, ckpt.milestone_every)
+            prune_checkpoints(self.run_dir, ckpt.keep_last, ckpt.milestone_every, spare=self.last_good)
         if ckpt.push:
             self._push(step_of(path))
 
