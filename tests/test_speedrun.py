@@ -6,12 +6,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 from tests.helpers import cli
 
 import gptforge.speedrun
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
-from gptforge.speedrun import Curve, Probe, compare, format_summary, read_curve, speedrun
+from gptforge.speedrun import Curve, PaceMeter, Probe, compare, format_summary, read_curve, speedrun
 
 MODERN_TINY = """
 [model]
@@ -74,6 +75,23 @@ def test_time_to_a_quality_equal_to_an_evaluation_is_that_evaluation_s_time():
     printed = format_summary(summary)
     assert "no conclusion from seed 0: too few evaluations (gpt2 2; at least 3 a run)" in printed
     assert "0.50x 0.25x; 0.50x 0.25x" in printed and "common host pace, 100.0 GFLOP/s" in printed
+    short["gpt2"]["host_pace"] = short["modern"]["host_pace"] = summary["common_pace_gflops"] = None  # GPU runs
+    assert "n/a; n/a" in format_summary(summary) and "seconds as measured" in format_summary(summary)
+
+
+def test_the_pace_meter_probes_a_cpu_run_after_its_optimizer_steps_and_leaves_a_gpu_run_alone(monkeypatch):
+    monkeypatch.setattr(gptforge.speedrun, "PROBE_SHARE", math.inf)  # a probe after every step
+    monkeypatch.setattr(gptforge.speedrun, "PROBE_EVERY", 0.0)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    weight.grad = torch.ones(2)
+    with PaceMeter(torch.device("cpu")) as meter:
+        optimizer.step()
+    optimizer.step()  # the hook went with the block
+    assert len(meter.probes) == 3 and all(p.gflops > 0 and p.seconds > 0 for p in meter.probes)  # entry, step, exit
+    with PaceMeter(torch.device("cuda")) as meter:
+        optimizer.step()
+    assert meter.probes == []
 
 
 def slowed(train_run, key, factor):

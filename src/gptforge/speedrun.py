@@ -214,12 +214,15 @@ def _seed_result(seed: int, runs: dict, curves: dict, probes: dict, reference: f
     for name in names:
         speeds = [p.gflops for p in probes[name, seed]]
         result[name]["wall_seconds"] = read_curve(runs[name, seed], probes[name, seed]).seconds[-1]
-        result[name]["host_pace"] = speeds and {
-            "median_gflops": statistics.median(speeds),
-            "min_gflops": min(speeds),
-            "probes": len(speeds),
-            "of_common": statistics.median(speeds) / reference,
-        }
+        result[name]["host_pace"] = None  # a GPU run: not probed
+        if speeds:
+            median = statistics.median(speeds)
+            result[name]["host_pace"] = {
+                "median_gflops": median,
+                "min_gflops": min(speeds),
+                "probes": len(speeds),
+                "of_common": median / reference,
+            }
     return result
 
 
@@ -302,6 +305,6 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _pace(pace: dict | list, common: float | None) -> str:
+def _pace(pace: dict | None, common: float | None) -> str:
     """A run's host pace against the common one, median and min ('n/a' where not probed)."""
     return f"{pace['median_gflops'] / common:.2f}x {pace['min_gflops'] / common:.2f}x" if pace else "n/a"
