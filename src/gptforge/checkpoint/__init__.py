@@ -33,11 +33,12 @@ from gptforge.checkpoint.save import (
     weights_finite,
     write_checkpoint,
 )
-from gptforge.config import Config, config_from_dict
-from gptforge.data.fim import with_fim
+from gptforge.config import Config, config_from_dict, lora_spec
+from gptforge.data.chat import model_tokenizer
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.model.lora import apply_lora, merge_lora
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv
 from gptforge.runtime.fsdp import (
@@ -168,15 +169,21 @@ def resolve_checkpoint(path: str | Path, for_training: bool = False) -> Path:
 
 
 def load_checkpoint(
-    path: str | Path, device: torch.device | str = "cpu"
+    path: str | Path, device: torch.device | str = "cpu", merge: bool = True
 ) -> tuple[GPT, Tokenizer, Config, dict[str, Any]]:
-    """Model (eval mode, on `device`), its tokenizer, config and meta from a checkpoint or run folder."""
+    """Model (eval mode, on `device`), its tokenizer, config and meta from a checkpoint or run folder; a LoRA
+    run's adapters are folded into its weights unless `merge` is false."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     cfg = config_from_dict(meta["config"])
     model = GPT(cfg.model)
+    adapters = lora_spec(cfg.train)
+    if adapters is not None:  # a LoRA run saves its frozen base and its adapters; inference runs them merged
+        apply_lora(model, adapters)
     _load_weights(model, ckpt, device)
-    tokenizer = with_fim(load_tokenizer(meta["tokenizer"], ckpt), cfg.data.fim_rate)
+    if adapters is not None and merge:
+        merge_lora(model)
+    tokenizer = model_tokenizer(load_tokenizer(meta["tokenizer"], ckpt), cfg.data.fim_rate, cfg.data.chat_template)
     return model.to(device).eval(), tokenizer, cfg, meta
 
 
