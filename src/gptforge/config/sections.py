@@ -29,7 +29,6 @@ class DataConfig:
 
 
 AUTO_PROMPT = "auto"  # eval.prompt: chosen by the data's main language
-AUTO_PROMPT = "auto"  # eval.prompt: chosen by the data's main language
 SCHEDULES = ("cosine", "wsd", "constant")  # optim.lr_at computes each
 PARALLEL = ("ddp", "fsdp")  # how train.parallel spreads a model over the processes
 
