@@ -208,6 +208,8 @@ class TimeBudget:
     def stop_vote(self, stop: StopSignal, elapsed: float) -> Vote:
         """What every rank does after this step: stop on any rank's signal; make the next step the last when rank 0
         has time for it alone, with the final evaluation and save (`elapsed`: the run's seconds so far)."""
+        # The next step and one more, then the final evaluation and save: without room for both steps, the next one
+        # is the last, and runs at the schedule's last learning rate.
         after_next = elapsed + 2 * self.per_step + self.eval_seconds + self.save_seconds
         out_of_time = self.seconds > 0 and after_next > self.seconds and self.env.is_main
         votes = torch.tensor([stop.received is not None, out_of_time], dtype=torch.long, device=self.device)
