@@ -128,6 +128,8 @@ def _combination_problem(cfg: Config) -> str | None:
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
     if cfg.train.lora_rank and not cfg.train.init_from:
         return "train.lora_rank needs train.init_from: adapters fine-tune a trained model's frozen weights"
+    if cfg.train.lora_rank and cfg.train.parallel == "fsdp":
+        return "train.lora_rank with train.parallel=fsdp: adapters are trained under ddp (their frozen base is shared)"
     if cfg.train.parallel == "fsdp" and cfg.train.zero:
         return "train.zero=true with train.parallel=fsdp: FSDP already shards the optimizer's state; drop train.zero"
     if cfg.train.parallel == "fsdp" and cfg.optim.optimizer == "muon":

@@ -62,6 +62,7 @@ class _Split:
     masks: list[np.ndarray] = field(default_factory=list)
     docs: int = 0
     bytes: int = 0
+    reply_bytes: int = 0
 
 
 @dataclass
@@ -170,6 +171,7 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
         part.ids.append(np.append(chat.ids, tokenizer.eot))
         part.masks.append(np.append(chat.mask, 0).astype(np.uint8))
         part.docs, part.bytes = part.docs + 1, part.bytes + len(text.encode())
+        part.reply_bytes += sum(len(m.content.encode()) for m in messages if m.role == "assistant")
         counts.kept += 1
     if not splits["train"].docs:
         shown = f" (first: {counts.bad_rows[0]})" if counts.bad_rows else ""
@@ -186,6 +188,7 @@ def _write(tmp: Path, source: str, base, splits: dict[str, _Split], settings: Ch
     for split, part in splits.items():
         totals[split] = {"docs": part.docs, "bytes": part.bytes, "tokens": int(sum(map(len, part.ids)))}
         totals[split]["assistant_tokens"] = int(sum(int(m.sum()) for m in part.masks))
+        totals[split]["assistant_bytes"] = part.reply_bytes  # bits per byte are the replies' own
         for n, (start, end) in enumerate(_shard_ranges(part.ids, settings.shard_tokens)):
             name = f"{split}_{n:06d}"
             ids, mask = np.concatenate(part.ids[start:end]).astype(dtype), np.concatenate(part.masks[start:end])

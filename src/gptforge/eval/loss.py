@@ -58,22 +58,24 @@ def evaluate_loss(
         x, y = loader.batch(mine[i : i + batch_size])
         with autocast(device, dtype):
             _, loss = model(x.to(device), y.to(device))
-        sums[0] += loss.double() * y.numel()
-        sums[1] += y.numel()
+        counted = int((y >= 0).sum())  # a chat folder's targets outside the replies are -1: not scored
+        sums[0] += loss.double() * counted
+        sums[1] += counted
     loader.verify()  # a short evaluation can end before the background check: its result must still be refused
     model.train(was_training)
     all_reduce_sum(sums, env)
     loss = (sums[0] / sums[1]).item()
-    stats = loader.manifest["splits"][split]
     # bpb = nats/token / ln 2 * tokens/byte; unknown (NaN) for shard folders that did not record bytes.
-    bits_per_byte = loss / math.log(2) * stats["tokens"] / stats["bytes"] if stats["bytes"] else float("nan")
+    bits_per_byte = loss / math.log(2) / bytes_per_token(loader.manifest, split)
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte, "tokens": int(sums[1].item())}
 
 
 def bytes_per_token(manifest: dict, split: str) -> float:
-    """UTF-8 bytes per token of a split; unknown (NaN) for shard folders that did not record bytes."""
+    """UTF-8 bytes per scored token of a split (a chat folder's: of the replies); unknown (NaN) for shard folders
+    that did not record bytes."""
     stats = manifest["splits"][split]
-    return stats["bytes"] / stats["tokens"] if stats["bytes"] else float("nan")
+    tokens, n_bytes = stats.get("assistant_tokens", stats["tokens"]), stats.get("assistant_bytes", stats["bytes"])
+    return n_bytes / tokens if n_bytes and tokens else float("nan")
 
 
 def mixture_loss(

@@ -32,6 +32,7 @@ from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
+from gptforge.train.finetune import adapt, chat_template, chat_tokenizer, fit_vocabulary, packed_model
 from gptforge.train.optim import build_optimizer, lr_at
 from gptforge.train.plan import GIB, check_fits, grad_accumulation
 
@@ -67,11 +68,13 @@ def open_data(cfg: Config) -> Data:
     if cfg.data.mix:
         sources = parse_mix(cfg.data.mix)
         tokenizer, manifests = open_mix(sources)
-        return Data(sources, manifests, with_fim(tokenizer, cfg.data.fim_rate), mixed=True)
+        tokenizer = chat_tokenizer(with_fim(tokenizer, cfg.data.fim_rate), chat_template(cfg, manifests, None))
+        return Data(sources, manifests, tokenizer, mixed=True)
     if not cfg.data.path:
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`) or data.mix")
     manifest = read_manifest(cfg.data.path)
     tokenizer = with_fim(load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path), cfg.data.fim_rate)
+    tokenizer = chat_tokenizer(tokenizer, chat_template(cfg, [manifest], None))
     return Data(parse_mix([f"{cfg.data.path}=1"]), [manifest], tokenizer, mixed=False)  # a one-folder mix
 
 
@@ -152,7 +155,7 @@ def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Ten
     The data decides the vocabulary and an "auto" sample prompt; an init_from checkpoint decides the architecture
     (RUN_OWN_MODEL_KEYS stay the run's own, as nanoGPT keeps its dropout).
     """
-    model_cfg, weights, tokenizer = cfg.model, None, data.tokenizer
+    model_cfg, weights, tokenizer, init_cfg = cfg.model, None, data.tokenizer, None
     if cfg.train.init_from:
         init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
         if not same_tokenizer(init_tok, tokenizer):
@@ -162,12 +165,17 @@ def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Ten
             )
         execution = {key: getattr(cfg.model, key) for key in RUN_OWN_MODEL_KEYS}
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
-    model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    template = chat_template(cfg, data.manifests, init_cfg)  # a chat model stays one
+    data.tokenizer = tokenizer = chat_tokenizer(tokenizer, template)
+    model_cfg = dataclasses.replace(
+        packed_model(model_cfg, data.manifests, tokenizer.eot), vocab_size=tokenizer.vocab_size
+    )
+    weights = fit_vocabulary(weights, model_cfg) if weights is not None else None
     lr_at(0, cfg.optim, 1)  # an unknown schedule fails now, not after the first evaluation
     # Absolute data paths, so config.toml and checkpoints still find the data from another working directory.
     path = str(Path(cfg.data.path).resolve()) if cfg.data.path else ""
     mix = [f"{os.path.abspath(s.path)}={s.weight}" for s in parse_mix(cfg.data.mix)]  # links kept: they name folders
-    data_cfg = dataclasses.replace(cfg.data, path=path, mix=mix)
+    data_cfg = dataclasses.replace(cfg.data, path=path, mix=mix, chat_template=template)
     prompt = sample_prompt(data.manifests) if cfg.eval.prompt == AUTO_PROMPT else cfg.eval.prompt
     eval_cfg = dataclasses.replace(cfg.eval, prompt=prompt)
     return dataclasses.replace(cfg, model=model_cfg, data=data_cfg, eval=eval_cfg), weights
@@ -244,8 +252,9 @@ def build(
     model = GPT(cfg.model)
     if weights is not None:
         model.load_state_dict(weights)
+    adapters = adapt(model, cfg)  # LoRA: adapters on the loaded weights, which stay frozen
     model.to(device)
-    notes = []
+    notes = [adapters] if adapters else []
     if cfg.train.parallel == "fsdp" and env.distributed:
         shard(model, model.transformer.h, device, dtype, cfg.train.reshard_after_forward)
         train_model = torch.compile(model) if cfg.train.compile else model

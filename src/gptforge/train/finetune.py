@@ -1,0 +1,72 @@
+"""Fine-tuning a trained model: on conversations (the chat template's tokens, packed conversations, the loss on the
+replies) and with low-rank adapters (LoRA) in place of every weight."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from gptforge.config import Config, lora_spec
+from gptforge.data.chat import TEMPLATE_NAME, ChatTokenizer, with_chat
+from gptforge.data.tokenizer import Tokenizer
+from gptforge.errors import GptforgeError
+from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.model.lora import apply_lora
+
+NEW_ROWS_SEED = 0x5F7  # the embedding rows a fine-tuning adds (the template's tokens) start the same on every rank
+
+
+def is_chat_data(manifests: list[dict[str, Any]]) -> bool:
+    """The data is conversations (`prepare --chat`): windows of whole conversations, the loss on the replies."""
+    return any(m.get("chat") for m in manifests)
+
+
+def chat_template(cfg: Config, manifests: list[dict[str, Any]], init_cfg: Config | None) -> str:
+    """The template the run's model speaks: its data's, its own (a resume), or the model it starts from's."""
+    inherited = init_cfg.data.chat_template if init_cfg is not None else ""
+    return TEMPLATE_NAME if is_chat_data(manifests) or cfg.data.chat_template or inherited else ""
+
+
+def chat_tokenizer(tokenizer: Tokenizer, template: str) -> Tokenizer:
+    return with_chat(tokenizer) if template and not isinstance(tokenizer, ChatTokenizer) else tokenizer
+
+
+def packed_model(model_cfg: GPTConfig, manifests: list[dict[str, Any]], eot: int) -> GPTConfig:
+    """A model trained on conversations reads each packed conversation alone (model.document_token = EOT)."""
+    return dataclasses.replace(model_cfg, document_token=eot) if is_chat_data(manifests) else model_cfg
+
+
+def fit_vocabulary(weights: dict[str, torch.Tensor], model_cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """`weights` with the token tables grown to the model's padded vocabulary: tokens a fine-tuning adds past the
+    padding (a trained BPE's template tokens) get fresh rows initialised as GPT-2 initialises embeddings."""
+    rows = model_cfg.padded_vocab_size
+    out = dict(weights)
+    generator = torch.Generator().manual_seed(NEW_ROWS_SEED)
+    grown: dict[int, torch.Tensor] = {}
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        table = weights.get(key)
+        if table is None or table.size(0) == rows:
+            continue
+        if table.size(0) > rows:
+            raise GptforgeError(f"train.init_from: its {key} has {table.size(0):,} rows, more than {rows:,}")
+        if id(table) not in grown:  # a tied table grows once, and stays one tensor
+            fresh = torch.empty(rows - table.size(0), table.size(1)).normal_(0.0, 0.02, generator=generator)
+            grown[id(table)] = torch.cat([table, fresh.to(table.dtype)])
+        out[key] = grown[id(table)]
+    return out
+
+
+def adapt(model: GPT, cfg: Config) -> str | None:
+    """Put LoRA adapters on train.lora_targets, every base weight frozen; the header's line about them."""
+    spec = lora_spec(cfg.train)
+    if spec is None:
+        return None
+    names = apply_lora(model, spec)  # train.lora_targets names layers every GPT has (checked at load)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (
+        f"LoRA: rank {spec.rank} (alpha {spec.alpha:g}) on {len(names)} layers; {trainable:,} trainable parameters "
+        f"of {total:,} ({trainable / total:.2%}), the rest frozen"
+    )
