@@ -24,7 +24,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         bands=args.dedup_bands,
         threshold=args.dedup_threshold,
     )
-    form = chat_form(args.source) if not args.chat and args.source.endswith((".jsonl", ".jsonl.gz")) else None
+    # A text field named on the command line says the rows are documents, whatever else they hold.
+    jsonl = args.source.endswith((".jsonl", ".jsonl.gz")) and args.text_field is None
+    form = chat_form(args.source) if not args.chat and jsonl else None
     if form:
         print(f"{args.source}: conversations ({form}): preparing them for fine-tuning, as --chat does", flush=True)
     if args.chat or form:
@@ -52,17 +54,22 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def _prepare_chat(args: argparse.Namespace, dedup) -> None:
     from gptforge.data.chat_prepare import ChatSettings, prepare_chat
 
-    unused = {
-        "--train-tokenizer": args.train_tokenizer is not None,
-        "--clean": args.clean != "none",
-        "--clean-set": bool(args.clean_set),
-        "--ext": args.ext is not None,
-        "--text-field": args.text_field is not None,
-        "--engine": args.engine != "local",
+    why = {
+        "--train-tokenizer": (args.train_tokenizer is not None, "fine-tuning keeps the base model's tokenizer"),
+        "--clean": (args.clean != "none", "the quality filters judge documents, not conversations"),
+        "--clean-set": (bool(args.clean_set), "the quality filters judge documents, not conversations"),
+        "--ext": (args.ext is not None, "conversations are read from .jsonl files"),
+        "--text-field": (args.text_field is not None, "a conversation's text is in its messages"),
+        "--workers": (args.workers is not None, "conversations are prepared in one process"),
     }
-    for flag, given in unused.items():
+    engine = ("--engine", "--tasks", "--executor", "--slurm-partition", "--slurm-time")
+    defaults = ("local", 1, "local", "", "24:00:00")
+    for flag, default in zip(engine, defaults, strict=True):
+        given = getattr(args, flag[2:].replace("-", "_")) != default
+        why[flag] = (given, "conversations are prepared in this process, not by datatrove")
+    for flag, (given, reason) in why.items():
         if given:
-            raise GptforgeError(f"{flag}: does not apply to conversations (--chat keeps the base model's tokenizer)")
+            raise GptforgeError(f"{flag}: does not apply to conversations ({reason})")
     settings = ChatSettings(
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
@@ -71,11 +78,13 @@ def _prepare_chat(args: argparse.Namespace, dedup) -> None:
         decontaminate=tuple(args.decontaminate),
         shard_tokens=args.shard_tokens,
     )
-    manifest = prepare_chat(args.source, args.out, settings, force=args.force)
+    manifest = prepare_chat(args.source, args.out, settings.checked(), force=args.force)
     train, val = (manifest["splits"][s] for s in ("train", "val"))
+    removed = ", ".join(f"{n:,} {why}" for why, n in manifest["removed"].items()) or "none"
     print(
         f"wrote {args.out}: {train['docs']:,} training conversations ({train['assistant_tokens']:,} of "
-        f"{train['tokens']:,} tokens in the loss), {val['docs']:,} held out; report: {args.out}/report.md"
+        f"{train['tokens']:,} tokens in the loss), {val['docs']:,} held out; removed: {removed}; "
+        f"report: {args.out}/report.md"
     )
 
 

@@ -75,7 +75,7 @@ def test_bad_rows_are_skipped_counted_and_named_by_line_and_copies_removed(tmp_p
 
 def test_a_file_with_no_usable_row_is_one_line_and_writes_nothing(tmp_path):
     src = _write(tmp_path / "chats.jsonl", [_turns(("user", "alone")), "[]"])
-    with pytest.raises(GptforgeError, match=r"no usable training conversation in 2 rows \(first: .*chats.jsonl:1"):
+    with pytest.raises(GptforgeError, match=r"no usable conversation in 2 rows \(first: .*chats.jsonl:1"):
         prepare_chat(str(src), tmp_path / "out", ChatSettings())
     assert not (tmp_path / "out").exists()
 
@@ -117,8 +117,49 @@ def test_the_command_finds_conversations_in_jsonl_and_refuses_flags_that_do_not_
     out = capsys.readouterr().out
     assert "conversations (OpenAI messages): preparing them for fine-tuning" in out
     assert "3 training conversations" in out and read_manifest(tmp_path / "out")["chat"]["template"] == "chatml"
-    for flags in (["--train-tokenizer", "300"], ["--clean", "code"], ["--ext", "py"]):
+    for flags in (["--train-tokenizer", "300"], ["--clean", "code"], ["--ext", "py"], ["--tasks", "3"]):
         assert main(["prepare", str(src), "--chat", "--out", str(tmp_path / "o2"), *flags]) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and f"{flags[0]}: does not apply to conversations" in err
+    for flags in (["--dedup-bands", "7"], ["--val-fraction", "-1"], ["--shard-tokens", "0"], ["--dedup", "bogus"]):
+        assert main(["prepare", str(src), "--out", str(tmp_path / "o2"), *flags]) == 1
+        assert flags[0] in capsys.readouterr().err
+    # A text field named says the rows are documents: no detection.
+    assert main(["prepare", str(src), "--out", str(tmp_path / "o3"), "--text-field", "text"]) == 1
+    assert "conversations" not in capsys.readouterr().out
     assert not (tmp_path / "o2").exists()
+
+
+def test_distinct_conversations_behind_one_long_system_message_are_not_copies(tmp_path):
+    system = " ".join(f"rule{i} applies to every answer you give" for i in range(20))
+    rows = [
+        _turns(("system", system), ("user", f"What is {i} plus {i}?"), ("assistant", str(2 * i))) for i in range(30)
+    ]
+    twins = [
+        _turns(("user", "x\nassistant\ny"), ("assistant", "z")),
+        _turns(("user", "x"), ("assistant", "y\nassistant\nz")),
+    ]
+    src = _write(tmp_path / "chats.jsonl", rows + twins + rows[:1])
+    manifest = prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["splits"]["train"]["docs"] == 32  # the 30, both twins; only the exact repeat goes
+    assert manifest["removed"] == {"exact duplicate": 1}
+
+
+def test_all_held_out_says_so_and_what_to_do(tmp_path):
+    src = _write(tmp_path / "chats.jsonl", [{**GOOD[0], "split": "val"}, {**GOOD[2], "split": "val"}])
+    with pytest.raises(
+        GptforgeError, match=r"all 2 usable conversations are held out .*--val-fraction 0, or mark rows"
+    ):
+        prepare_chat(str(src), tmp_path / "out", ChatSettings())
+
+
+def test_an_out_among_the_files_a_chat_prepare_reads_is_refused(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    _write(tmp_path / "d" / "a.jsonl", GOOD)
+    kept = _write(tmp_path / "d" / "sub" / "b.jsonl", GOOD)
+    with pytest.raises(GptforgeError, match="which this command reads"):
+        prepare_chat(str(tmp_path / "d" / "**" / "*.jsonl"), tmp_path / "d" / "sub", ChatSettings(), force=True)
+    evals = _write(tmp_path / "ev.jsonl", [{"q": "x"}])
+    with pytest.raises(GptforgeError, match="which this command reads"):
+        prepare_chat(str(kept), tmp_path, ChatSettings(decontaminate=(str(evals),)), force=True)
+    assert kept.is_file() and evals.is_file()

@@ -32,8 +32,9 @@ from gptforge.data.chat import (
     with_chat,
 )
 from gptforge.data.decontaminate import eval_ngrams, is_contaminated
-from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint
+from gptforge.data.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
 from gptforge.data.pipeline import is_validation
+from gptforge.data.prepare_settings import check_dedup
 from gptforge.data.shards import SPLITS, dtype_for_vocab, write_manifest, write_shard
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
@@ -54,6 +55,15 @@ class ChatSettings:
     dedup: DedupSettings = field(default_factory=DedupSettings)
     decontaminate: tuple[str, ...] = ()
     shard_tokens: int = 100_000_000
+
+    def checked(self) -> ChatSettings:
+        """These settings, or one line naming the flag whose value cannot work (as the documents' path checks)."""
+        check_dedup(self.dedup)
+        if not 0 <= self.val_fraction < 1:
+            raise GptforgeError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.shard_tokens <= 0:
+            raise GptforgeError(f"--shard-tokens must be positive, got {self.shard_tokens}")
+        return self
 
 
 @dataclass
@@ -84,6 +94,8 @@ def chat_files(source: str) -> list[Path]:
         files = sorted(p for p in root.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p.is_file())
     elif root.is_file():
         files = [root]
+    elif root.exists():
+        raise GptforgeError(f"{source}: not a regular file or folder (a FIFO, socket or device is not a corpus)")
     else:
         raise GptforgeError(f"{source}: no such file or folder (expected JSONL conversations)")
     if not files:
@@ -145,7 +157,8 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
     usable; `out` is replaced only once the new folder is complete."""
     out = Path(out)
     files = chat_files(source)
-    check_output_dir(out, force, reads=[source])
+    reads = [*files, *settings.decontaminate, *([settings.tokenizer] if settings.tokenizer != "gpt2" else [])]
+    check_output_dir(out, force, reads=reads)
     base = load_tokenizer(settings.tokenizer)
     tokenizer = with_chat(base)
     counts, splits = ChatCounts(), {s: _Split() for s in SPLITS}
@@ -154,7 +167,7 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
     kept: dict[int, str] = {}
     for index, (where, messages, split) in enumerate(read_conversations(files, counts)):
         text = "".join(f"{m.role}\n{m.content}\n" for m in messages)
-        verdict = dedup.check(index, fingerprint(text, settings.dedup))
+        verdict = dedup.check(index, _fingerprint(messages, settings.dedup))
         if verdict is not None:
             counts.removed[f"{verdict.kind} duplicate"] += 1
             counts.removed_rows.append(f"{where}: {verdict.kind} duplicate of {kept[verdict.of]}")
@@ -173,16 +186,39 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
         part.docs, part.bytes = part.docs + 1, part.bytes + len(text.encode())
         part.reply_bytes += sum(len(m.content.encode()) for m in messages if m.role == "assistant")
         counts.kept += 1
-    if not splits["train"].docs:
-        shown = f" (first: {counts.bad_rows[0]})" if counts.bad_rows else ""
-        raise GptforgeError(f"{source}: no usable training conversation in {counts.rows} rows{shown}")
+    _check_training_left(source, counts, splits)
     with locked(out, "prepare"), building_dir(out) as tmp:
-        manifest = _write(tmp, source, base, splits, settings)
+        check_output_dir(out, force, reads=reads)  # again, holding the lock: another prepare may have written it
+        removed = {**{f"bad rows ({k})": v for k, v in counts.bad.items()}, **counts.removed}
+        manifest = _write(tmp, source, base, splits, settings, removed)
         atomic_write(tmp / "report.md", _report(source, counts, manifest))
     return manifest
 
 
-def _write(tmp: Path, source: str, base, splits: dict[str, _Split], settings: ChatSettings) -> dict[str, Any]:
+def _fingerprint(messages: list[Message], settings: DedupSettings) -> Fingerprint:
+    """Exact copies compare every turn, each field kept apart; near copies compare what the user asked and what
+    the assistant replied: a long system message shared by distinct conversations does not make them copies."""
+    exact = "\x1e".join(f"{m.role}\x1f{m.content}" for m in messages)
+    turns = "\n".join(m.content for m in messages if m.role != "system")
+    return Fingerprint(fingerprint(exact, settings).key, fingerprint(turns, settings).signature)
+
+
+def _check_training_left(source: str, counts: ChatCounts, splits: dict[str, _Split]) -> None:
+    """One line when no conversation is left to train on, saying why."""
+    if splits["train"].docs:
+        return
+    if splits["val"].docs:
+        raise GptforgeError(
+            f"{source}: all {splits['val'].docs:,} usable conversations are held out (the first always is, and rows "
+            '"split": "val" are); pass --val-fraction 0, or mark rows "split": "train"'
+        )
+    shown = f" (first: {counts.bad_rows[0]})" if counts.bad_rows else ""
+    raise GptforgeError(f"{source}: no usable conversation in {counts.rows:,} rows{shown}")
+
+
+def _write(
+    tmp: Path, source: str, base, splits: dict[str, _Split], settings: ChatSettings, removed: dict[str, int]
+) -> dict[str, Any]:
     dtype = dtype_for_vocab(base.vocab_size + len(CHAT_TEXTS))
     shards, totals = [], {}
     for split, part in splits.items():
@@ -210,8 +246,16 @@ def _write(tmp: Path, source: str, base, splits: dict[str, _Split], settings: Ch
         shutil.copyfile(base.path, tmp / "tokenizer.json")
         tok["name"] = "tokenizer.json"
     chat = {"template": TEMPLATE_NAME, "special_tokens": list(CHAT_TEXTS)}
-    manifest = {"source": source, "tokenizer": tok, "chat": chat, "splits": totals, "shards": shards}
-    manifest["settings"] = {"val_fraction": settings.val_fraction, "seed": settings.seed, "dedup": settings.dedup.mode}
+    manifest = {
+        "source": source,
+        "tokenizer": tok,
+        "chat": chat,
+        "splits": totals,
+        "shards": shards,
+        "removed": removed,
+    }
+    manifest["settings"] = {"source": source, "val_fraction": settings.val_fraction, "seed": settings.seed}
+    manifest["settings"]["dedup"] = settings.dedup.mode
     write_manifest(tmp, manifest)
     return manifest
 
@@ -240,7 +284,8 @@ def _report(source: str, counts: ChatCounts, manifest: dict[str, Any]) -> str:
         lines += ["", "| removed | rows |", "| --- | --- |", *(f"| {k} | {v:,} |" for k, v in removed.items())]
     for title, rows in (("Bad rows", counts.bad_rows), ("Removed conversations", counts.removed_rows)):
         if rows:
-            lines += ["", f"{title} (the first {SHOWN_BAD_ROWS} of {len(rows):,}):", ""]
+            shown = f"the first {SHOWN_BAD_ROWS} of {len(rows):,}" if len(rows) > SHOWN_BAD_ROWS else f"{len(rows):,}"
+            lines += ["", f"{title} ({shown}):", ""]
             lines += [f"- {row}" for row in rows[:SHOWN_BAD_ROWS]]
     return "\n".join(lines) + "\n"
 
