@@ -149,3 +149,49 @@ def test_an_infill_ends_where_the_context_does_and_a_completion_goes_on(run):
     room = run.model.config.block_size - len(infill_prompt(fim.tokenizer, "def f(x):\n", "\n    return y\n")) + 1
     assert infill.task.result.usage["completion_tokens"] == room and infill.events[-1] == Finish(0, "length")
     assert plain.task.result.usage["completion_tokens"] == 100  # past the context: its window slides
+
+
+def forcing(monkeypatch, token: int) -> None:
+    """Every forward pass of the batcher makes `token` the most likely next one by far (widening the logits to
+    reach it: this tiny model was trained without FIM, so its logits stop short of the sentinels)."""
+    import gptforge.serve.batcher as batcher_module
+
+    real = batcher_module.forward_logits
+
+    def forced(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        wider = logits.new_full((*logits.shape[:-1], max(logits.size(-1), token + 1)), -1e4)
+        wider[..., : logits.size(-1)] = logits
+        wider[..., token] = logits.amax() + 100
+        return wider
+
+    monkeypatch.setattr(batcher_module, "forward_logits", forced)
+
+
+def test_a_generation_ends_at_every_token_the_engine_stops_on_eot_and_each_fim_sentinel(run, monkeypatch):
+    fim = dataclasses.replace(run, tokenizer=FIMTokenizer(run.tokenizer))
+    stops = vars(fim.tokenizer.sentinels) | {"eot": fim.tokenizer.eot}
+    assert len(set(stops.values())) == 4
+    for name, token in stops.items():
+        with monkeypatch.context() as patched:
+            forcing(patched, token)
+            batcher = Batcher(4, threading.Event())
+            infill = Request(batcher, fim, prompt="def f(x):\n", suffix="\n    y\n", max_tokens=20, temperature=0)
+            plain = Request(batcher, fim, prompt="import", max_tokens=20, temperature=0.8, seed=0)
+            drain(batcher, infill, plain)
+        for request in (infill, plain):
+            assert request.events[-1] == Finish(0, "stop"), name
+            assert request.task.result.usage["completion_tokens"] == 0 and request.text() == "", name
+
+
+def test_choices_and_requests_each_draw_their_own_stream_and_a_seed_repeats_its_request(run):
+    """At temperature 2 over 24 tokens the tiny random model writes texts that cannot match by chance."""
+    body = {"prompt": "def", "max_tokens": 24, "temperature": 2.0, "n": 2}
+    batcher = Batcher(8, threading.Event())
+    seeded = [Request(batcher, run, **body, seed=7) for _ in range(2)]
+    unseeded = [Request(batcher, run, **body) for _ in range(2)]
+    drain(batcher, *seeded, *unseeded)
+    texts = [(r.text(0), r.text(1)) for r in (*seeded, *unseeded)]
+    assert all(len(t) > 24 for pair in texts for t in pair), texts
+    assert texts[0] == texts[1]  # the same seed, the same choices, even in one batch
+    assert len({t for pair in texts[1:] for t in pair}) == 6, texts  # every other choice its own

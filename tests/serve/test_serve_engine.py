@@ -108,6 +108,22 @@ def test_binding_another_address_needs_a_key_and_a_busy_port_is_one_line(runs_di
     assert err.startswith(f"gptforge serve: error: --host 127.0.0.1 --port {port}: cannot listen there"), err
 
 
+def test_a_device_this_machine_lacks_is_refused_at_start_in_one_line(runs_dir, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # a GPU machine too: as if it had none
+    assert main(["serve", str(runs_dir), "--device", "cuda", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err == "gptforge serve: error: --device='cuda': CUDA is not available on this machine\n", err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--parallel", "100000000"), ("--parallel", "1025"), ("--max-n", "129")])
+def test_parallel_and_max_n_past_their_caps_are_one_line_usage_errors(runs_dir, capsys, flag, value):
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", str(runs_dir), flag, value])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1, err
+    assert f"argument {flag}: expected an integer in [1, " in err and repr(value) in err, err
+
+
 def test_a_missing_path_is_one_line(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nope")]) == 1
     assert "nope: not a folder (expected a run folder, a checkpoint or a folder of runs)" in capsys.readouterr().err

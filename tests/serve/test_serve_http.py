@@ -195,6 +195,22 @@ def test_a_head_that_stalls_or_trickles_is_cut_off(bare):
         assert trickle(sock, b"GET /api/ru", b"") == b""
 
 
+def test_a_request_with_both_content_length_and_chunked_is_400_and_its_connection_closed(bare):
+    """A proxy going by Content-Length forwards the chunked body's end and a smuggled request as one body."""
+    smuggled = b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    body = b"0\r\n\r\n" + smuggled
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(body)
+    )
+    with connect(bare) as sock:
+        sock.sendall(head + body)
+        data = until_closed(sock)
+    status, _, rest = data.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"connection: close" in status.lower(), data
+    assert json.loads(rest)["error"]["code"] == "ambiguous_length" and data.count(b"HTTP/1.1") == 1, data
+
+
 def test_the_real_server_checks_the_host_and_a_keep_alive_client_is_served(bare):
     with httpx.Client(timeout=PATIENCE) as client:
         for _ in range(2):  # one connection, kept alive past READ_TIMEOUT between requests
@@ -214,9 +230,13 @@ def test_sigterm_ends_an_open_stream_with_done_and_the_server_exits_0(runs_dir, 
             server.send_signal(signal.SIGTERM)
             start = time.monotonic()
             events = [line.removeprefix("data: ") for line in lines if line]
+        ended = time.monotonic()
         assert server.wait(timeout=30) == 0, (tmp_path / "serve.log").read_text()
-        took = time.monotonic() - start
+        took, exiting = time.monotonic() - start, time.monotonic() - ended
     assert events[-1] == "[DONE]" and took < 30, events[-3:]
+    assert exiting < 2.0  # idle by then: was 4-5 s on a busy machine, the interpreter collecting torch's objects
+    log = (tmp_path / "serve.log").read_text()
+    assert "gptforge serve: shutting down (1 request in flight)\n" in log and log.endswith("gptforge serve: stopped\n")
     finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
     assert finishes == ["length", "length"]
 

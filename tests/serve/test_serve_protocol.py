@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptforge.serve.protocol import ApiError, Limits, parse_completion
+from gptforge.serve.protocol import MAX_CHOICES, ApiError, Limits, parse_completion
 
 LIMITS = Limits(max_tokens=50, max_n=3)
 
@@ -61,11 +61,26 @@ def test_the_limits_are_accepted_up_to_their_value_and_refused_past_it_naming_th
         ({"best_of": True}, "best_of"),  # True == 1 == n in Python
         ({"best_of": 1.0}, "best_of"),
         ({"presence_penalty": False}, "presence_penalty"),  # False == 0 in Python
+        ({"stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),  # was read as true
+        ({"stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
     ],
 )
 def test_values_that_used_to_raise_or_to_pass_unchecked_are_400s_naming_the_argument(args, param):
     error = refusal(**args)
     assert error.param == param and len(error.message) < 200, error.body()
+
+
+def test_prompts_times_n_past_the_cap_is_a_400_naming_the_prompt():
+    """200,000 prompts were answered 200 with 198,927 empty choices, holding the batch past every other client."""
+    limits = Limits(max_n=8)
+    req = parse_completion({"model": "run", "prompt": ["x"] * (MAX_CHOICES // 8), "n": 8}, limits)
+    assert len(req.prompts) * req.n == MAX_CHOICES
+    for prompt, n in [(["x"] * (MAX_CHOICES + 1), 1), ([[1]] * 200_000, 8), (["x"] * (MAX_CHOICES // 2 + 1), 2)]:
+        with pytest.raises(ApiError) as caught:
+            parse_completion({"model": "run", "prompt": prompt, "n": n}, limits)
+        error = caught.value
+        assert (error.status, error.param) == (400, "prompt") and f"at most {MAX_CHOICES} a request" in error.message
+    assert parse(stream=True, stream_options={"include_usage": False}).include_usage is False
 
 
 SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)  # JSON's "\\ud800" alone makes one

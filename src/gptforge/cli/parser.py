@@ -9,6 +9,7 @@ from gptforge import __version__, commands
 from gptforge.cli.types import Parser, at_least, file_name, positive_ints, probability, seed_value
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES
+from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
@@ -275,10 +276,12 @@ def _add_serve_command(sub) -> None:
         help="require `Authorization: Bearer KEY` on /v1 and /api (default: $GPTFORGE_API_KEY, unseen by `ps`)",
     )
     s.add_argument("--max-tokens", type=at_least(1), default=1024, help="largest max_tokens a request may ask")
-    s.add_argument("--max-n", type=at_least(1), default=8, help="largest n (completions per prompt)")
+    s.add_argument(
+        "--max-n", type=at_least(1, high=MAX_CHOICES), default=8, help="largest n (completions per prompt; default 8)"
+    )
     s.add_argument(
         "--parallel",
-        type=at_least(1),
+        type=at_least(1, high=MAX_PARALLEL),
         default=8,
         help="completions generated together, a token a step for each (continuous batching; default 8)",
     )

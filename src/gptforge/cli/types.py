@@ -44,8 +44,8 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return ks
 
 
-def at_least(low: float, kind: type = int):
-    """An argparse type: a finite number of `kind` that is >= low."""
+def at_least(low: float, kind: type = int, high: float | None = None):
+    """An argparse type: a finite number of `kind` that is >= low (and <= high, if given)."""
 
     def parse(text: str) -> float:
         try:
@@ -53,9 +53,10 @@ def at_least(low: float, kind: type = int):
             finite = math.isfinite(value)
         except (ValueError, OverflowError):  # OverflowError: an integer past a float's range
             value, finite = None, False
-        if not finite or value < low:
+        if not finite or value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise argparse.ArgumentTypeError(
-                f"expected a{'n integer' if kind is int else ' number'} >= {low}, got {text!r}"
+                f"expected a{'n integer' if kind is int else ' number'} {bounds}, got {text!r}"
             )
         return value
 

@@ -10,6 +10,8 @@ from typing import Any
 # Accepted only at the value that means "off": clients send them, gptforge does not implement them.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "logit_bias": {}}
 IGNORED = {"user", "best_of"}  # best_of is checked to equal n below
+MAX_PARALLEL = 1024  # --parallel: rows of one KV cache (each a block_size of keys and values per layer)
+MAX_CHOICES = 128  # completions (prompts × n) a request may ask: more would hold the batch past other clients' time
 
 
 class ApiError(Exception):
@@ -31,7 +33,7 @@ class Limits:
     """What keeps one machine healthy: caps per request, and how many requests may be in flight."""
 
     max_tokens: int = 1024
-    max_n: int = 8
+    max_n: int = 8  # at most MAX_CHOICES (and --parallel at most MAX_PARALLEL)
     max_body_bytes: int = 1 << 20
     parallel: int = 8  # choices generated together (continuous batching); also requests let in beside the queue
     queue: int = 8  # requests waiting beyond those; more are answered 429
@@ -147,10 +149,18 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     best_of = body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of != req.n):  # true == 1, 1.0 == 1 in Python
         raise ApiError(400, "'best_of' other than n is not supported", "best_of", "unsupported")
+    choices = len(req.prompts) * req.n
+    if choices > MAX_CHOICES:
+        raise ApiError(
+            400,
+            f"'prompt' × 'n' asks for {choices:,} completions; at most {MAX_CHOICES} a request (send more requests)",
+            "prompt",
+            "invalid_value",
+        )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    req.include_usage = bool(options.get("include_usage"))
+    req.include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     return req
 
 
@@ -195,10 +205,11 @@ def parse_infill(body: Any, limits: Limits) -> CompletionRequest:
     )
 
 
-def _flag(body: dict, key: str) -> bool:
-    value = body.get(key, False)
-    if value is not None and not isinstance(value, bool):
-        raise ApiError(400, f"'{key}' must be true or false, got {_shown(value)}", key)
+def _flag(body: dict, key: str, name: str | None = None) -> bool:
+    """A boolean `key` of `body`, named `name` (its path from the request's top) in an error."""
+    value, name = body.get(key, False), name or key
+    if value is not None and not isinstance(value, bool):  # "no" or 0 would be read as on or off by chance
+        raise ApiError(400, f"'{name}' must be true or false, got {_shown(value)}", name)
     return bool(value)
 
 
