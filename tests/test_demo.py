@@ -90,3 +90,48 @@ def test_the_demo_ends_with_next_commands_that_the_cli_accepts(tmp_path):
         where = getattr(parsed, "checkpoint", None) or parsed.path
         assert program == "gptforge" and where == str(out)
     assert build_parser().parse_args(shlex.split(commands[1], comments=True)[1:]).data == str(data)
+
+
+def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path, corpus_dir, monkeypatch, capsys):
+    from tests.train.test_finetune import base_config
+
+    import gptforge.demo
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.data.prepare import prepare
+    from gptforge.data.prepare_settings import PrepareSettings
+    from gptforge.data.shards import read_manifest
+    from gptforge.train.trainer import train
+
+    data, base, out = tmp_path / "data" / "stdlib", tmp_path / "runs" / "demo", tmp_path / "runs" / "demo-chat"
+    prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, train_tokenizer=400), data, workers=1)
+    train(base_config(data), base)
+    files = sorted(corpus_dir.glob("*.py"))  # the corpus's files stand in for the stdlib's
+    monkeypatch.setattr(gptforge.demo, "stdlib_documents", lambda: ((f.name, f.read_text()) for f in files))
+    monkeypatch.setattr(gptforge.demo, "VAL_FRACTION", 0.2)
+    tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=2", "train.batch_tokens=128", "eval.every=0"]
+    assert (
+        main(
+            [
+                "demo",
+                "--chat",
+                "--base",
+                str(base),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                *sum((["--set", s] for s in tiny), []),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "=== a conversation (held-out functions" in printed and f"gptforge chat {out}" in printed
+    rows = [json.loads(line) for line in (tmp_path / "data" / "stdlib-chat.jsonl").read_text().splitlines()]
+    assert {r["split"] for r in rows} == {"train", "val"} and rows[0]["messages"][0]["content"].startswith("Write a")
+    assert read_manifest(tmp_path / "data" / "stdlib-chat")["chat"]["template"] == "chatml"
+    _, tok, cfg, _ = load_checkpoint(out)
+    assert cfg.train.init_from.startswith(str(base)) and cfg.data.chat_template == "chatml"
+    assert tok.vocab_size == 402 and cfg.model.vocab_size == 402
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["replies"]) == 2 and summary["replies"][0]["request"].startswith("Write a Python function")

@@ -246,9 +246,14 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from gptforge.demo import run_demo
+    from gptforge.demo import run_chat_demo, run_demo
 
-    run_demo(args.out, args.data, args.time_budget, args.set, args.force, args.config)
+    if args.chat:
+        if args.config:
+            raise GptforgeError("--config: with --chat the fine-tuning recipe is chat-cpu (change it with --set)")
+        run_chat_demo(args.base, args.data, args.out or "runs/demo-chat", args.time_budget, args.set, args.force)
+        return
+    run_demo(args.out or "runs/demo", args.data, args.time_budget, args.set, args.force, args.config)
 
 
 def cmd_speedrun(args: argparse.Namespace) -> None:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from pathlib import Path
 
 import torch
 
-from gptforge.checkpoint import load_checkpoint
+from gptforge.checkpoint import latest_checkpoint, load_checkpoint
 from gptforge.config import load_config
+from gptforge.data.chat import Message, format_chat
+from gptforge.data.chat_prepare import ChatSettings, prepare_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
+from gptforge.data.instructions import conversation_rows
+from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
-from gptforge.files import check_output_dir, locked, replacing_dir, write_json
+from gptforge.data.shards import MANIFEST
+from gptforge.data.sources import stdlib_documents
+from gptforge.files import atomic_write, check_output_dir, locked, replacing_dir, to_json, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
 from gptforge.train.trainer import train
@@ -102,3 +109,56 @@ def next_commands(out_dir: Path, data_dir: Path) -> list[str]:
         f"gptforge serve {run}     # an OpenAI-compatible API and a page with the curves (the .[serve] extra)",
         f"gptforge export {run} --out {shlex.quote(str(out_dir / 'hf'))}     # a transformers folder",
     ]
+
+
+CHAT_PRESET = "chat-cpu"
+# Held-out requests the chat demo answers: functions of the validation split's files (their split is the file's).
+SHOWN_REPLIES = 2
+
+
+def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, overrides: list[str], force: bool) -> dict:
+    """Fine-tune the demo's model (`base`, trained first when it has no checkpoint) on conversations built from the
+    training split's documented functions; print replies to held-out requests."""
+    base_dir, data_dir, out_dir = Path(base), Path(data), Path(out)
+    chat_data = data_dir.with_name(f"{data_dir.name}-chat")
+    check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir])
+    if latest_checkpoint(base_dir) is None:
+        print(f"no trained model in {base_dir}: training the demo's first", flush=True)
+        run_demo(str(base_dir), str(data_dir), None, [])
+    rows_file = prepare_function_conversations(data_dir, chat_data)
+    budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
+    start = [f"data.path={chat_data}", f"train.init_from={latest_checkpoint(base_dir)}"]
+    cfg = load_config(CHAT_PRESET, [*overrides, *budget, *start])
+    with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
+        result = train(cfg, run_dir)
+    checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
+    model, tok, _, _ = load_checkpoint(checkpoint)
+    held_out = [row for row in map(json.loads, rows_file.read_text().splitlines()) if row["split"] == "val"]
+    replies = []
+    print("\n=== a conversation (held-out functions, temperature 0.2) ===")
+    g = torch.Generator().manual_seed(0)
+    for row in held_out[:SHOWN_REPLIES]:
+        request = row["messages"][0]["content"]
+        prompt = format_chat(tok, [Message("user", request)], add_generation_prompt=True).ids.tolist()
+        reply = tok.decode(generate(model, prompt, 160, temperature=0.2, top_k=50, eot=tok.im_end, generator=g)[0])
+        replies.append({"request": request, "reply": reply})
+        print(f"user> {request}\nassistant> {reply}\n")
+    summary = {"base": str(latest_checkpoint(base_dir)), "checkpoint": str(checkpoint), "steps": result.steps}
+    summary.update(before=result.first_val, after=result.last_val, replies=replies)
+    write_json(out_dir / "summary.json", summary)
+    print(f"replies' validation loss: {result.first_val['loss']:.4f} before, {result.last_val['loss']:.4f} after")
+    print(f"wrote {checkpoint}; talk with it: gptforge chat {shlex.quote(str(out_dir))}")
+    return summary
+
+
+def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
+    """`data/stdlib-chat.jsonl` (a request for each documented function of the stdlib, answered with its source,
+    in its file's split) and the chat folder prepared from it; both reused when present."""
+    rows_file = chat_data.with_name(f"{chat_data.name}.jsonl")
+    if not rows_file.is_file():
+        lines = (to_json(row) + "\n" for row in conversation_rows(stdlib_documents(), VAL_FRACTION))
+        atomic_write(rows_file, "".join(lines))
+    if not (chat_data / MANIFEST).is_file():
+        settings = ChatSettings(tokenizer=str(data_dir / TOKENIZER_FILE), val_fraction=0.0)
+        prepare_chat(str(rows_file), chat_data, settings)
+    return rows_file

@@ -19,11 +19,16 @@ from gptforge.train.trainer import train
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega"]
 
 
+def base_config(data_dir):
+    """A 4-step pretraining of the tiny model: a base to fine-tune."""
+    return load_config("tiny", [f"data.path={data_dir}", "train.max_steps=4", "eval.every=0", "eval.sample_tokens=0"])
+
+
 @pytest.fixture(scope="module")
 def base(data_dir, tmp_path_factory):
-    """A 4-step pretrained tiny model on the test corpus (GPT-2 tokens): the model every test fine-tunes."""
+    """The tiny base on the test corpus (GPT-2 tokens) that every test here fine-tunes."""
     run = tmp_path_factory.mktemp("base") / "run"
-    train(load_config("tiny", [f"data.path={data_dir}", "train.max_steps=4", "eval.every=0"]), run)
+    train(base_config(data_dir), run)
     return latest_checkpoint(run)
 
 

@@ -23,6 +23,7 @@ def build_parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     _add_data_commands(sub)
     _add_checkpoint_commands(sub)
+    _add_generation_commands(sub)
     _add_run_commands(sub)
     _add_serve_command(sub)
     return p
@@ -166,24 +167,6 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_eval)
 
-    s = sub.add_parser("sample", help="generate text from a checkpoint")
-    s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
-    s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
-    s.add_argument(
-        "--suffix",
-        help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs; on a "
-        "terminal the middle shows in reverse video)",
-    )
-    s.add_argument("-n", "--num-samples", type=at_least(1), default=1, help="samples per prompt")
-    s.add_argument("--max-new-tokens", type=at_least(1), default=128)
-    s.add_argument("--temperature", type=at_least(0.0, float), default=0.8, help="0 = greedy")
-    s.add_argument("--top-k", type=at_least(0), default=50, help="0 = no top-k")
-    s.add_argument("--top-p", type=probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
-    s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
-    s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
-    _add_compute_flags(s)
-    s.set_defaults(func=commands.cmd_sample)
-
     s = sub.add_parser(
         "export", help="write a checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen3 or Arcee) or a GGUF file"
     )
@@ -192,7 +175,10 @@ def _add_checkpoint_commands(sub) -> None:
         "--out", required=True, help="output folder (config.json, model.safetensors, tokenizer), or the .gguf file"
     )
     s.add_argument(
-        "--format", choices=EXPORT_FORMATS, default="hf", help="hf: a transformers folder; gguf: llama.cpp/Ollama"
+        "--format",
+        choices=EXPORT_FORMATS,
+        default="hf",
+        help="hf: a transformers folder; gguf: llama.cpp/Ollama; peft: a LoRA run's adapters (its base inside)",
     )
     s.add_argument("--gguf-type", choices=tuple(GGUF_FILE_TYPES), help="weights in the GGUF file (default f32)")
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
@@ -254,7 +240,13 @@ def _add_run_commands(sub) -> None:
     s.set_defaults(func=commands.cmd_speedrun)
 
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
-    s.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
+    s.add_argument("--out", help="run folder (default: runs/demo; with --chat: runs/demo-chat)")
+    s.add_argument(
+        "--chat",
+        action="store_true",
+        help="fine-tune the demo's model (--base) to answer requests for functions; trains the base first if needed",
+    )
+    s.add_argument("--base", default="runs/demo", help="with --chat: the demo run to fine-tune (default: runs/demo)")
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
     s.add_argument("--config", default=None, help="preset (default: modern-cpu; demo-cpu is the GPT-2 recipe)")
     s.add_argument(
@@ -305,3 +297,36 @@ def _add_serve_command(sub) -> None:
     )
     _add_compute_flags(s, threads_help=f"{THREADS_HELP}; 1 beside a CPU training run")
     s.set_defaults(func=commands.cmd_serve)
+
+
+def _add_generation_commands(sub) -> None:
+    """sample and chat: text from a checkpoint."""
+    s = sub.add_parser("sample", help="generate text from a checkpoint")
+    s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
+    s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
+    s.add_argument(
+        "--suffix",
+        help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs; on a "
+        "terminal the middle shows in reverse video)",
+    )
+    s.add_argument("-n", "--num-samples", type=at_least(1), default=1, help="samples per prompt")
+    s.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    s.add_argument("--temperature", type=at_least(0.0, float), default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=at_least(0), default=50, help="0 = no top-k")
+    s.add_argument("--top-p", type=probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
+    s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
+    s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
+    s.add_argument("--chat", action="store_true", help="each prompt is a user's message: print the model's reply")
+    _add_compute_flags(s)
+    s.set_defaults(func=commands.cmd_sample)
+
+    s = sub.add_parser("chat", help="talk with a fine-tuned chat model in the terminal")
+    s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
+    s.add_argument("--system", default="", help="a system message that opens the conversation")
+    s.add_argument("--max-new-tokens", type=at_least(1), default=256, help="longest reply (default 256)")
+    s.add_argument("--temperature", type=at_least(0.0, float), default=0.7, help="0 = greedy (default 0.7)")
+    s.add_argument("--top-k", type=at_least(0), default=50, help="0 = no top-k")
+    s.add_argument("--top-p", type=probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
+    s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
+    _add_compute_flags(s)
+    s.set_defaults(func=commands.cmd_chat)
