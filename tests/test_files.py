@@ -208,3 +208,46 @@ def test_a_write_into_a_read_only_folder_is_one_gptforge_error(tmp_path, monkeyp
     monkeypatch.setattr(Path, "unlink", read_only)  # on a read-only mount even removing the temp file fails
     with pytest.raises(GptforgeError, match=r"cannot write .*a\.json: No such file or directory"):
         atomic_write(tmp_path / "missing" / "a.json", "x")
+
+
+def test_folders_of_the_user_beside_the_target_are_never_taken_for_temp_or_old(tmp_path):
+    final = tmp_path / "d8"
+    final.mkdir()
+    for name in (".d8.old", ".d8.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "b.txt").write_text("mine")
+    with building_dir(final) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".d8.old", ".d8.tmp", "d8"]
+    assert (tmp_path / ".d8.old" / "b.txt").read_text() == "mine" == (tmp_path / ".d8.tmp" / "b.txt").read_text()
+
+
+def test_output_folders_that_cannot_be_made_are_one_line(tmp_path):
+    loop, dangling, regfile = tmp_path / "L", tmp_path / "dl", tmp_path / "f"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "nowhere")
+    regfile.write_text("x")
+    for out, message in (
+        (loop, "L: cannot be followed"),
+        (dangling, "dl: a symbolic link to .*nowhere, which does not exist"),
+        (regfile / "sub", r"sub: .*f is a file, not a folder"),
+    ):
+        with pytest.raises(GptforgeError, match=message):
+            check_output_dir(out, force=True)
+
+
+def test_reading_accepts_a_byte_order_mark_and_names_deep_json_and_special_files(tmp_path):
+    from gptforge.files import require_regular_file
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n')
+    assert list(read_jsonl(bom)) == [(f"{bom}:1", {"text": "a"})]
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    with pytest.raises(GptforgeError, match=r"deep.jsonl:1: JSON nested too deeply"):
+        list(read_jsonl(deep))
+    os.mkfifo(tmp_path / "ff.jsonl")
+    for path in (tmp_path / "ff.jsonl", tmp_path):
+        with pytest.raises(GptforgeError, match="--decontaminate .*: not a regular file"):
+            require_regular_file(path, "--decontaminate")
+    assert require_regular_file(bom, "--decontaminate") == bom

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import stat
 import zlib
@@ -78,8 +79,9 @@ def write_json(path: str | Path, value: Any) -> Path:
 
 
 def temp_dir_path(final: Path) -> Path:
-    """Where `final`'s replacement is built: a hidden folder beside it, so the rename stays on one filesystem."""
-    return final.with_name(f".{final.name}.tmp")
+    """Where `final`'s replacement is built: a hidden folder beside it, so the rename stays on one filesystem. The
+    name is fixed (a killed run, and every rank, finds it) and says gptforge, so no user folder is taken for it."""
+    return final.with_name(f".{final.name}.gptforge-tmp")
 
 
 def temp_dir_for(final: Path) -> Path:
@@ -112,8 +114,8 @@ def swap_dir(tmp: Path, final: Path) -> Path:
     """Put the complete folder `tmp` at `final`; an old `final` is moved aside first and deleted only after."""
     _refuse_non_folder(final)
     if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        # A name no one else holds: a fixed one could be a folder of the user's, which would be deleted.
+        old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old)
@@ -198,9 +200,10 @@ def check_output_dir(
     a folder inside it, a folder holding a gptforge run in a subfolder (always, unless the command `writes_runs`
     there itself), or any existing non-empty folder unless `force` names it for replacement."""
     out = Path(out)
-    target = out.resolve()
+    target = resolved_path(out, flag)
+    _refuse_unreachable(out, flag)
     for source in reads:
-        resolved = Path(source).resolve()
+        resolved = resolved_path(source, "")
         if resolved == target or target in resolved.parents:
             how = "is" if resolved == target else "contains"
             raise GptforgeError(f"{flag} {out}: {how} {source}, which this command reads; write somewhere else")
@@ -219,6 +222,36 @@ def check_output_dir(
         )
 
 
+def resolved_path(path: str | Path, flag: str) -> Path:
+    """`path` made absolute with its links followed, or one line naming a loop of symbolic links."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:  # Python 3.11 says "Symlink loop" with a RuntimeError, 3.13 an OSError
+        raise GptforgeError(f"{flag} {path}".strip() + f": cannot be followed ({first_detail(e)})") from None
+
+
+def _refuse_unreachable(out: Path, flag: str) -> None:
+    """One line for an output folder that cannot be made: a link to nothing, or a file where a parent folder goes."""
+    if out.is_symlink() and not out.exists():
+        raise GptforgeError(f"{flag} {out}: a symbolic link to {os.readlink(out)}, which does not exist")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise GptforgeError(f"{flag} {out}: {parent} is a file, not a folder")
+
+
+def require_regular_file(path: str | Path, flag: str) -> Path:
+    """`path` when it is a regular file (or a link to one); one line for a FIFO, device or folder, which would
+    block or never end when read whole."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise GptforgeError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise GptforgeError(f"{flag} {path}: not a regular file (expected a file to read)")
+    return path
+
+
 def _run_inside(folder: Path) -> Path | None:
     """A gptforge run one or two levels below `folder` (a run folder's own checkpoints are not another run)."""
     marks = (folder.glob(f"{depth}{mark}") for depth in ("*/", "*/*/") for mark in RUN_MARKS)
@@ -234,7 +267,7 @@ def check_output_file(out: str | Path, force: bool, reads: Iterable[str | Path] 
     out = Path(out)
     _refuse_special(out, f"{flag} {out}")
     for source in reads:
-        if Path(source).resolve() in out.resolve().parents:
+        if resolved_path(source, "") in resolved_path(out, flag).parents:
             raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")
     if out.is_dir():
         raise GptforgeError(f"{flag} {out}: is a folder (expected a file name to write)")
@@ -281,9 +314,9 @@ def locked(folder: str | Path, what: str) -> Iterator[None]:
 
 
 def open_text(path: str | Path) -> TextIO:
-    """A UTF-8 text file, gunzipped on the fly when it ends in .gz."""
+    """A UTF-8 text file, gunzipped on the fly when it ends in .gz; a leading byte order mark is dropped."""
     path = Path(path)
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+    return gzip.open(path, "rt", encoding="utf-8-sig") if path.suffix == ".gz" else open(path, encoding="utf-8-sig")
 
 
 def format_suffix(path: str | Path) -> str:
@@ -326,6 +359,8 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
                 if torn_tail_ok and not line.endswith("\n"):
                     return
                 raise GptforgeError(f"{where}: not JSON ({e})") from None
+            except RecursionError:
+                raise GptforgeError(f"{where}: JSON nested too deeply to read") from None
             yield where, record
 
 

@@ -161,3 +161,10 @@ def test_signatures_are_the_same_in_another_process():
     with mp.get_context("spawn").Pool(1) as pool:
         theirs = pool.apply(_signature_in_child, (text,))
     np.testing.assert_array_equal(theirs, signature(text, NEAR))
+
+
+def test_more_than_256_bands_work():
+    settings = DedupSettings(hashes=512, bands=512)
+    original = code_file(1)
+    out = verdicts([original, change_lines(original, 0.03, seed=1), code_file(2)], settings)
+    assert [(v.kind, v.of) if v else None for v in out] == [None, ("near", 0), None]

@@ -68,3 +68,15 @@ def test_data_made_with_another_tokenizer_is_refused(tmp_path):
         GptforgeError, match=r"made with tokenizer gpt2 \(50,257 tokens\), but checkpoint c uses tokenizer"
     ):
         check_data_tokenizer(load_tokenizer("gpt2"), "data", b, "checkpoint c")
+
+
+def test_a_vocabulary_too_large_to_train_is_refused_and_a_short_one_is_said(tmp_path, capsys):
+    from gptforge.data.tokenizer import check_vocab_size
+
+    with pytest.raises(GptforgeError, match=r"--train-tokenizer 1048577: .* at most 1,048,576"):
+        check_vocab_size(2**20 + 1)
+    tok = train_bpe(["x = 1\n"] * 3, 100_000, tmp_path / "t.json")
+    assert tok.vocab_size < 300
+    assert (
+        f"the trained vocabulary has {tok.vocab_size:,} tokens, fewer than the 100,000 asked" in capsys.readouterr().out
+    )

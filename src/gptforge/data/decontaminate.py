@@ -1,6 +1,7 @@
 """Drop training documents that share a 13-gram of words with evaluation data (the GPT-3 practice).
 
-Words are lowercase alphanumeric runs, so punctuation and spacing differences do not hide an overlap.
+Words are lowercased runs of Unicode letters and digits (any script), so punctuation and spacing differences do
+not hide an overlap.
 N-grams are kept as 64-bit BLAKE2b hashes: stable across processes (Python's `hash` is salted per process)
 and with a negligible false-positive rate at millions of n-grams.
 """
@@ -12,10 +13,10 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from gptforge.files import format_suffix, read_jsonl, read_text
+from gptforge.files import format_suffix, read_jsonl, read_text, require_regular_file
 
 N = 13
-_WORD = re.compile(r"[a-z0-9]+")
+_WORD = re.compile(r"[^\W_]+")  # \w without the underscore: snake_case splits as before, any script is words
 
 
 def _hashes(text: str, n: int = N) -> Iterator[int]:
@@ -46,8 +47,16 @@ def _eval_texts(path: Path) -> Iterator[str]:
 
 
 def eval_ngrams(paths: Iterable[str | Path]) -> frozenset[int]:
-    """The 13-gram hashes of evaluation files (.jsonl[.gz]: every string field of every record; else all text)."""
-    return frozenset(h for p in paths for text in _eval_texts(Path(p)) for h in _hashes(text))
+    """The 13-gram hashes of evaluation files (.jsonl[.gz]: every string field of every record; else all text);
+    a FIFO or device is refused (it would block or never end), a file without any 13-gram is warned of."""
+    found: set[int] = set()
+    for path in paths:
+        path = require_regular_file(path, "--decontaminate")
+        before = len(found)
+        found.update(h for text in _eval_texts(path) for h in _hashes(text))
+        if len(found) == before:
+            print(f"warning: --decontaminate {path}: no text of {N} words or more, so it removes nothing", flush=True)
+    return frozenset(found)
 
 
 def is_contaminated(text: str, ngrams: frozenset[int]) -> bool:

@@ -141,7 +141,11 @@ class Deduplicator:
         if sig is None:
             return []
         rows = self.settings.rows
-        return [bytes([band]) + sig[band * rows : (band + 1) * rows].tobytes() for band in range(self.settings.bands)]
+        # Two bytes of band index: --dedup-bands goes up to --dedup-hashes (1024), past one byte's 256.
+        return [
+            band.to_bytes(2, "little") + sig[band * rows : (band + 1) * rows].tobytes()
+            for band in range(self.settings.bands)
+        ]
 
     def _nearest(self, sig: np.ndarray | None, keys: list[bytes]) -> Verdict | None:
         """The earliest kept document whose estimated Jaccard similarity reaches the threshold, if any."""

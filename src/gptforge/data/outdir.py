@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,22 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def read_own(path: Path) -> dict[str, Any] | None:
+    """A manifest.json or progress.json that a text `prepare` wrote (its "settings" and "shards"), else None: a file
+    of the same name from anyone else must not make the folder look like ours, whose files we may delete."""
+    value = read_json(path)
+    ours = value is not None and isinstance(value.get("settings"), dict) and isinstance(value.get("shards"), list)
+    return value if ours else None
+
+
+def holds_own_data(out: Path) -> bool:
+    """Whether `out` holds a text prepare's data, finished or not."""
+    return read_own(out / MANIFEST) is not None or read_own(out / PROGRESS) is not None
+
+
 def finished(out: Path, settings: PrepareSettings) -> dict[str, Any] | None:
     """The manifest of `out` when it already holds data prepared with `settings`."""
-    done = read_json(out / MANIFEST)
+    done = read_own(out / MANIFEST)
     return done if done is not None and settings.matches(done.get("settings")) else None
 
 
@@ -57,6 +71,18 @@ def marked_if_failed(folder: Path) -> Iterator[None]:
         progress = read_json(folder / PROGRESS)
         if progress is not None:
             atomic_write(folder / PROGRESS, json.dumps({**progress, "failed": True}))
+        raise
+
+
+@contextlib.contextmanager
+def removed_if_failed(out: Path, created: bool) -> Iterator[None]:
+    """Remove `out` on an error when this command `created` it, so a refused corpus leaves nothing behind; a write
+    error ("cannot write": a full disk, which the same command resumes) and a folder that existed before are left."""
+    try:
+        yield
+    except GptforgeError as e:
+        if created and not str(e).startswith("cannot write"):
+            shutil.rmtree(out, ignore_errors=True)
         raise
 
 
@@ -86,7 +112,7 @@ def remove_own_files(folder: Path) -> None:
 def destination(out: Path, settings: PrepareSettings, force: bool) -> Path | None:
     """Where to build: `out` itself (empty, or an unfinished prepare to resume), a folder beside it that
     replaces it once complete (--force), or None when `out` already holds this data."""
-    done, progress = read_json(out / MANIFEST), read_json(out / PROGRESS)
+    done, progress = read_own(out / MANIFEST), read_own(out / PROGRESS)
     if done is not None and settings.matches(done.get("settings")) and not force:
         return None
     if done is None and progress is not None and _resumable(progress, settings):
@@ -105,7 +131,7 @@ def destination(out: Path, settings: PrepareSettings, force: bool) -> Path | Non
             "pass --force to replace it (the old data stays until the new is complete), or pick another --out"
         )
     final = out.resolve()  # a temp folder beside '.' needs its real name
-    unfinished = read_json(temp_dir_path(final) / PROGRESS)
+    unfinished = read_own(temp_dir_path(final) / PROGRESS)
     if unfinished is not None and settings.matches(unfinished.get("settings")):
         return temp_dir_path(final)  # a killed --force run resumes
     return temp_dir_for(final)

@@ -33,13 +33,16 @@ from gptforge.data.outdir import (
     already_prepared,
     destination,
     finished,
+    holds_own_data,
     marked_if_failed,
     read_json,
+    read_own,
     remove_own_files,
     remove_stale_temps,
+    removed_if_failed,
 )
 from gptforge.data.pipeline import Job, Outcome, is_validation, judge
-from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.data.prepare_settings import PrepareSettings, tokenizer_digest
 from gptforge.data.report import Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
 from gptforge.data.sources import Document, documents, local_paths, source_bytes, source_state
@@ -123,16 +126,21 @@ def prepare(
     docs = documents(source, settings.text_field, extensions=settings.extensions, skipped=skipped)  # missing: fails
     out = Path(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
-    holds_data = (out / MANIFEST).is_file() or (out / PROGRESS).is_file()
+    holds_data = holds_own_data(out)
     given_file = [] if settings.trained_vocab is not None or settings.tokenizer == "gpt2" else [settings.tokenizer]
     check_output_dir(out, force or holds_data, [*local_paths(source), *settings.decontaminate, *given_file])
-    settings = dataclasses.replace(settings, corpus=source_state(source, settings.extensions))
+    settings = dataclasses.replace(
+        settings,
+        corpus=source_state(source, settings.extensions),
+        tokenizer_sha256=tokenizer_digest(settings.tokenizer),
+    )
     done = finished(out, settings)
     if done is not None and not force:
         return already_prepared(out, done, locked)  # decided reading only, so a finished read-only folder works
     docs, tok, ngrams = _checked_inputs(pipeline.nonempty(docs, skipped), settings)
+    created = not (out.exists() or out.is_symlink())
     try:
-        with locked(out, "prepare"):
+        with removed_if_failed(out, created), locked(out, "prepare"):
             folder = destination(out, settings, force)
             if folder is None:  # another prepare finished it since the check above
                 return already_prepared(out, read_json(out / MANIFEST), locked)
@@ -174,7 +182,7 @@ def _build(
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
     remove_stale_temps(out)
-    progress = read_json(out / PROGRESS)
+    progress = read_own(out / PROGRESS)
     resuming = progress is not None and settings.matches(progress.get("settings"))
     if not resuming:  # the marker goes first: until the manifest replaces it, the folder is unfinished
         remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones

@@ -7,9 +7,11 @@ A folder is "already prepared" when its saved settings equal these. Keys added a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gptforge.data.dedup import DEDUP_MODES, DedupSettings
@@ -32,9 +34,10 @@ SETTING_FLAGS = {
     "dedup": "--dedup",
     "clean": "--clean/--clean-set",
     "corpus": "SOURCE",
+    "tokenizer_sha256": "--tokenizer (the file's sha256)",
 }
 LATER_KEYS = ("ext", "dedup", "clean")  # absent from folders prepared before they existed
-UNRECORDED = ("corpus",)  # absent from folders prepared before it existed: nothing to compare with
+UNRECORDED = ("corpus", "tokenizer_sha256")  # absent from folders prepared before they existed: nothing to compare
 # Past these, MinHash costs grow without finding more copies: a signature's time and memory are linear in the
 # hashes (1,000,000 took minutes on 1.7 MB), a shingle's in its words. --dedup-bands divides --dedup-hashes.
 MAX_HASHES, MAX_SHINGLE = 1024, 64
@@ -54,6 +57,7 @@ class PrepareSettings:
     clean_mode: str = "none"
     clean: CleanSettings = field(default_factory=CleanSettings)
     corpus: tuple[int, int, str] | None = None  # sources.source_state: a changed corpus is not already prepared
+    tokenizer_sha256: str | None = None  # a --tokenizer file's content: another file of the same name is no resume
 
     @classmethod
     def from_flags(
@@ -127,6 +131,7 @@ class PrepareSettings:
             "dedup": dataclasses.asdict(self.dedup),
             "clean": {"mode": self.clean_mode, **dataclasses.asdict(self.clean)} if self.clean_mode != "none" else None,
             "corpus": dict(zip(("files", "bytes", "sha256"), self.corpus, strict=True)) if self.corpus else None,
+            "tokenizer_sha256": self.tokenizer_sha256,
         }
         return json.loads(json.dumps(value))
 
@@ -156,6 +161,14 @@ class PrepareSettings:
             if key in expected and saved.get(key) != expected[key]:
                 return f"{flag} was {saved.get(key)!r}, now {expected[key]!r}"
         return f"settings were {saved!r}"
+
+
+def tokenizer_digest(tokenizer: str) -> str | None:
+    """The sha256 of a --tokenizer file; None for 'gpt2', a trained one, or a file not there (refused later)."""
+    path = Path(tokenizer)
+    if tokenizer == "gpt2" or tokenizer.startswith("trained:") or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 _LEGACY_FIELDS = ("source", "text_field", "val_fraction", "shard_tokens", "seed", "tokenizer", "decontaminate")

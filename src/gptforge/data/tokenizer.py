@@ -15,7 +15,9 @@ from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write
 
 EOT_TEXT = "<|endoftext|>"
-MIN_VOCAB, MAX_VOCAB = 257, 2**32  # a trained BPE: the 256 bytes and EOT, up to ids a uint32 shard holds
+# A trained BPE: the 256 bytes and EOT, up to 2**20 = 1,048,576 tokens (8x the largest real vocabularies; the
+# trainer allocates tables by the size asked, so 10**9 aborted in Rust after asking for 70 GB).
+MIN_VOCAB, MAX_VOCAB = 257, 2**20
 # The longest run of one character class (what GPT-2's pattern makes one piece) the BPE trainer sees: its merges
 # are quadratic in a repetitive piece's length (a 400,000-letter run took minutes). Encoding is not capped.
 MAX_TRAINING_PIECE = 1000
@@ -165,6 +167,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> BPETokenizer:
         show_progress=sys.stderr.isatty(),  # its bars: reading the documents, then the merges
     )
     tok.train_from_iterator(capped_pieces(texts), trainer)
+    if tok.get_vocab_size() < vocab_size:  # the corpus ran out of pairs to merge
+        print(
+            f"warning: the trained vocabulary has {tok.get_vocab_size():,} tokens, fewer than the {vocab_size:,} asked "
+            "(the corpus has no more pairs to merge)",
+            flush=True,
+        )
     atomic_write(out, tok.to_str(pretty=True))
     return BPETokenizer(out)
 
@@ -174,7 +182,7 @@ def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < MIN_VOCAB:
         raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at least {MIN_VOCAB}")
     if vocab_size > MAX_VOCAB:
-        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at most {MAX_VOCAB}")
+        raise GptforgeError(f"--train-tokenizer {vocab_size}: expected a vocabulary size of at most {MAX_VOCAB:,}")
 
 
 def capped_pieces(texts: Iterable[str]) -> Iterator[str]:

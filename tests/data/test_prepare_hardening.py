@@ -1,0 +1,54 @@
+"""prepare on hostile input: folders that are not ours, changed tokenizers, odd files, deep JSON; one line each."""
+
+import json
+
+import pytest
+
+from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.errors import GptforgeError
+
+
+def _code(tmp_path, n=1):
+    src = tmp_path / "c"
+    src.mkdir()
+    for i in range(n):
+        (src / f"a{i}.py").write_text(f"x = {i}\n" * 20)
+    return src
+
+
+def test_a_folder_with_a_foreign_progress_json_is_not_taken_for_ours(tmp_path):
+    src, out = _code(tmp_path), tmp_path / "out"
+    out.mkdir()
+    mine = {"progress.json": '{"epoch": 3}', "report.md": "notes", "tokenizer.json": '{"mine": 1}'}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    with pytest.raises(GptforgeError, match="exists and is not empty"):
+        prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
+    assert {p.name: p.read_text() for p in out.iterdir()} == mine
+
+
+def test_a_folder_this_command_made_is_removed_on_error_and_an_old_one_kept(tmp_path):
+    src = _code(tmp_path)
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True)):
+        if existed:
+            out.mkdir()
+        with pytest.raises(GptforgeError, match="all held out"):
+            prepare(PrepareSettings.from_flags(str(src / "a0.py"), val_fraction=0.5), out, workers=1)
+        assert out.exists() == existed
+
+
+def test_a_changed_tokenizer_file_is_not_resumed(tmp_path):
+    from gptforge.data.tokenizer import train_bpe
+
+    src, out, tok = _code(tmp_path, 3), tmp_path / "out", tmp_path / "tok.json"
+    train_bpe(["x = 1\n" * 9], 300, tok)
+    settings = PrepareSettings.from_flags(str(src), tokenizer=str(tok), val_fraction=0, shard_tokens=20)
+    manifest = prepare(settings, out, workers=1)
+    (out / "manifest.json").unlink()  # as a kill -9 after the last shard leaves it
+    (out / "progress.json").write_text(json.dumps({k: manifest[k] for k in ("settings", "shards")}))
+    train_bpe(["y = 2\n" * 9], 280, tok)
+    with pytest.raises(
+        GptforgeError, match=r"unfinished prepare with other settings \(--tokenizer \(the file's sha256"
+    ):
+        prepare(settings, out, workers=1)
