@@ -1,9 +1,11 @@
-"""The OpenAI-compatible routes: GET /v1/models and POST /v1/completions, plain or streamed as server-sent events."""
+"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, plain or streamed
+as server-sent events; llama.cpp's POST /infill."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import threading
@@ -19,20 +21,18 @@ from gptforge.files import to_json
 from gptforge.serve.engine import Engine
 from gptforge.serve.jobs import Done, Event, Failed, Finish, Job, Started, Text
 from gptforge.serve.protocol import (
+    CHAT,
+    COMPLETION,
     ApiError,
     CompletionRequest,
     Limits,
-    choice,
-    completion_object,
+    Shape,
+    parse_chat,
     parse_completion,
     parse_infill,
 )
 
-ROUTES = "gptforge serve answers GET /v1/models, POST /v1/completions and POST /infill"
-CHAT = (
-    "gptforge serve answers the completions API of base models, which have no chat format: "
-    "POST /v1/completions with a prompt"
-)
+ROUTES = "gptforge serve answers GET /v1/models, POST /v1/completions, POST /v1/chat/completions and POST /infill"
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Response:
@@ -50,7 +50,7 @@ def no_route(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         message = f"Invalid method for URL ({request.method} {path}): use {exc.headers.get('Allow', 'another')}"
     else:
-        message = f"Invalid URL ({request.method} {path}): {CHAT if path.startswith('/v1/chat/') else ROUTES}"
+        message = f"Invalid URL ({request.method} {path}): {ROUTES}"
     return error_response(ApiError(exc.status_code, message), exc.headers)
 
 
@@ -87,12 +87,16 @@ def routes(engine: Engine) -> list[Route]:
 
         return route
 
-    completions = answering(parse_completion, _sse, _gather)
+    completions = answering(
+        parse_completion, functools.partial(_sse, COMPLETION), functools.partial(_gather, COMPLETION)
+    )
+    chat = answering(parse_chat, functools.partial(_sse, CHAT), functools.partial(_gather, CHAT))
     infill = answering(parse_infill, _infill_sse, _infill_gather)  # llama.cpp's, for editor plugins written for it
 
     return [
         Route("/v1/models", list_models),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/infill", infill, methods=["POST"]),
     ]
 
@@ -184,8 +188,8 @@ async def _watch_disconnect(request: Request, cancel: threading.Event, queue: as
     queue.put_nowait(Failed(ApiError(499, "the client went away", None, "client_disconnected")))
 
 
-async def _gather(events: AsyncIterator[Event], req: CompletionRequest, first: Started) -> dict:
-    rid, fingerprint = f"cmpl-{secrets.token_hex(12)}", first.fingerprint
+async def _gather(shape: Shape, events: AsyncIterator[Event], req: CompletionRequest, first: Started) -> dict:
+    rid, fingerprint = f"{shape.id_prefix}-{secrets.token_hex(12)}", first.fingerprint
     texts = [""] * (len(req.prompts) * req.n)
     reasons: list[str | None] = [None] * len(texts)
     try:
@@ -197,29 +201,33 @@ async def _gather(events: AsyncIterator[Event], req: CompletionRequest, first: S
             elif isinstance(event, Failed):
                 raise event.error
             elif isinstance(event, Done):
-                choices = [choice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
-                return completion_object(rid, req.model, fingerprint, choices, event.usage)
+                choices = [shape.choice(i, t, r, False) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+                return shape.answer(rid, req.model, fingerprint, choices, event.usage, streamed=False)
     finally:
         await events.aclose()
     raise AssertionError("the worker ended without 'done' or 'error'")
 
 
-async def _sse(events: AsyncIterator[Event], req: CompletionRequest, first: Started):
-    """OpenAI's stream: a `data: {chunk}` event per piece of text or finish, then `data: [DONE]`."""
-    rid, fingerprint = f"cmpl-{secrets.token_hex(12)}", first.fingerprint
+async def _sse(shape: Shape, events: AsyncIterator[Event], req: CompletionRequest, first: Started):
+    """OpenAI's stream: a `data: {chunk}` event per piece of text or finish, then `data: [DONE]`; a chat stream
+    opens each choice with its role."""
+    rid, fingerprint = f"{shape.id_prefix}-{secrets.token_hex(12)}", first.fingerprint
 
     def data(obj) -> str:
         return f"data: {obj if isinstance(obj, str) else to_json(obj)}\n\n"
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        return data(completion_object(rid, req.model, fingerprint, choices, usage))
+        return data(shape.answer(rid, req.model, fingerprint, choices, usage, streamed=True))
 
     try:
+        if shape.chat:
+            for index in range(len(req.prompts) * req.n):
+                yield chunk([{**shape.choice(index, "", None, True), "delta": {"role": "assistant", "content": ""}}])
         async for event in events:
             if isinstance(event, Text):
-                yield chunk([choice(event.index, event.piece, None)])
+                yield chunk([shape.choice(event.index, event.piece, None, True)])
             elif isinstance(event, Finish):
-                yield chunk([choice(event.index, "", event.reason)])
+                yield chunk([shape.choice(event.index, "", event.reason, True)])
             elif isinstance(event, Failed):  # the status line is sent already: the error goes in the stream
                 yield data(event.error.body())
                 return

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.checkpoint import Inference, load_for_inference
+from gptforge.data.chat import ChatTokenizer, format_chat
 from gptforge.data.fim import FIMTokenizer, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.serve.batcher import Batcher
@@ -76,6 +77,16 @@ class Engine:
         """Token ids of a prompt (an infill's: prefix, suffix and the middle's start between FIM sentinels); one
         longer than the model's context is refused, as OpenAI's API does."""
         tok = run.tokenizer
+        if req.messages is not None:
+            if not isinstance(tok, ChatTokenizer):
+                raise ApiError(
+                    400,
+                    f"the model '{req.model}' is a base model without a chat template: POST /v1/completions with a "
+                    "prompt, or fine-tune it on conversations (prepare --chat, train with train.init_from)",
+                    "messages",
+                    "model_not_chat",
+                )
+            prompt = format_chat(tok, req.messages, add_generation_prompt=True).ids.tolist()
         if req.suffix is not None:
             if not isinstance(tok, FIMTokenizer):
                 raise ApiError(

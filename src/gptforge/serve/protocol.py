@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gptforge.data.chat import ConversationError, parse_messages
+
 # Accepted only at the value that means "off": clients send them, gptforge does not implement them.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "logit_bias": {}}
 IGNORED = {"user", "best_of"}  # best_of is checked to equal n below
@@ -59,6 +61,8 @@ class CompletionRequest:
     """Infill: the text after the gap; the completion is what goes between prompt and suffix (FIM models)."""
     middle: str = ""
     """Infill: the start of the middle already typed (llama.cpp's /infill `prompt`); the completion continues it."""
+    messages: list | None = None
+    """Chat: the conversation (data.chat.Message), formatted with the model's chat template as the one prompt."""
 
 
 def _number(body: dict, key: str, default, low: float, high: float, integer: bool = False):
@@ -114,12 +118,11 @@ def _check_unicode(values: list, key: str) -> None:
             raise ApiError(400, f"'{key}' holds a lone surrogate ({bad}), which is not valid Unicode", key) from None
 
 
-def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
-    """A /v1/completions body, checked: an unknown argument or a value out of range is a 400 naming it."""
+def _check_arguments(body: Any, known: set[str]) -> None:
+    """A JSON object of known arguments, unsupported ones at their neutral value, and a model named."""
     if not isinstance(body, dict):
         raise ApiError(400, "expected a JSON object as the request body")
-    known = set(CompletionRequest.__dataclass_fields__) - {"prompts", "include_usage"}
-    extra = set(body) - known - {"prompt", "stream_options"} - set(NEUTRAL) - IGNORED
+    extra = set(body) - known - {"stream_options"} - set(NEUTRAL) - IGNORED
     if extra:
         raise ApiError(400, f"unrecognized request argument supplied: {', '.join(sorted(extra))}", sorted(extra)[0])
     for key, neutral in NEUTRAL.items():
@@ -128,6 +131,20 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
             raise ApiError(400, f"'{key}' is not supported by gptforge serve (leave it unset)", key, "unsupported")
     if not isinstance(body.get("model"), str):
         raise ApiError(400, "'model' must be a string (GET /v1/models lists them)", "model")
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    return _flag(options, "include_usage", "stream_options.include_usage")
+
+
+def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+    """A /v1/completions body, checked: an unknown argument or a value out of range is a 400 naming it."""
+    _check_arguments(
+        body, set(CompletionRequest.__dataclass_fields__) - {"prompts", "include_usage", "messages"} | {"prompt"}
+    )
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", "prompt")
     req = CompletionRequest(
@@ -157,11 +174,52 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
             "prompt",
             "invalid_value",
         )
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    req.include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    req.include_usage = _include_usage(body)
     return req
+
+
+CHAT_ARGUMENTS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop"}
+CHAT_ARGUMENTS |= {"seed", "stream"}
+
+
+def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
+    """A /v1/chat/completions body, checked as a completion's is; each message is an object with a known role and
+    string content (or text parts), a bad one a 400 naming its field (`messages[1].role`)."""
+    _check_arguments(body, CHAT_ARGUMENTS)
+    if "messages" not in body:
+        raise ApiError(400, "'messages' is required", "messages")
+    try:
+        messages = parse_messages(
+            [_text_parts(m) for m in body["messages"]] if isinstance(body["messages"], list) else body["messages"]
+        )
+    except ConversationError as e:
+        raise ApiError(400, str(e), e.param, "invalid_value") from None
+    _check_unicode([m.content for m in messages], "messages")
+    limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return CompletionRequest(
+        model=body["model"],
+        prompts=[""],
+        messages=messages,
+        max_tokens=_number(body, limit, limits.max_tokens, 1, limits.max_tokens, integer=True),
+        temperature=_number(body, "temperature", 1.0, 0, 2),
+        top_p=_number(body, "top_p", None, 1e-9, 1),
+        n=_number(body, "n", 1, 1, limits.max_n, integer=True),
+        stop=_stop(body.get("stop")),
+        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        stream=_flag(body, "stream"),
+        include_usage=_include_usage(body),
+    )
+
+
+def _text_parts(message: Any) -> Any:
+    """A message whose content is a list of text parts ([{"type": "text", "text": ...}], as some clients send)
+    with that text joined; anything else as it came, for parse_messages to judge."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return {**message, "content": "".join(p["text"] for p in content)}
+    return message
 
 
 def _text(body: dict, key: str, default: str | None) -> str | None:
@@ -213,20 +271,39 @@ def _flag(body: dict, key: str, name: str | None = None) -> bool:
     return bool(value)
 
 
-def completion_object(rid: str, model: str, fingerprint: str, choices: list[dict], usage: dict | None) -> dict:
-    """A text_completion object: the whole response, or one streamed chunk (then usage is None)."""
-    out = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": fingerprint,
-        "choices": choices,
-    }
-    if usage is not None:
-        out["usage"] = usage
-    return out
+@dataclass(frozen=True)
+class Shape:
+    """How an answer is written: OpenAI's text completion, or its chat completion (a message, streamed as deltas)."""
+
+    id_prefix: str
+    whole: str
+    chunk: str
+    chat: bool
+
+    def answer(self, rid: str, model: str, fingerprint: str, choices: list[dict], usage: dict | None, streamed: bool):
+        """The whole response, or one streamed chunk."""
+        out = {
+            "id": rid,
+            "object": self.chunk if streamed else self.whole,
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def choice(self, index: int, text: str, finish_reason: str | None, streamed: bool) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        part = ("delta", {"content": text} if text else {}) if streamed else ("message", assistant(text))
+        return {"index": index, part[0]: part[1], "logprobs": None, "finish_reason": finish_reason}
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+COMPLETION = Shape("cmpl", "text_completion", "text_completion", chat=False)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)

@@ -1,0 +1,105 @@
+"""/v1/chat/completions: through the `openai` client, plain and streamed, a fine-tuned chat model answers what
+`gptforge sample --chat` answers greedily; n, seed and stop work; bad messages and base models are 400s."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+
+import httpx
+import pytest
+from tests.serve.server import serving
+
+from gptforge.checkpoint import latest_checkpoint
+from gptforge.cli import main
+from gptforge.config import load_config
+from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+from gptforge.train.trainer import train
+
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "name a colour"}]
+
+
+@pytest.fixture(scope="module")
+def root(runs_dir, tmp_path_factory):
+    """chat: the tiny `alpha` run fine-tuned for 2 steps on conversations; base: `alpha` itself."""
+    root = tmp_path_factory.mktemp("chat")
+    rows = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+            for i in range(40)]  # fmt: skip
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_chat(str(root / "rows.jsonl"), root / "data", ChatSettings(val_fraction=0.2))
+    settings = [f"data.path={root / 'data'}", f"train.init_from={latest_checkpoint(runs_dir / 'alpha')}"]
+    train(
+        load_config("tiny", [*settings, "train.max_steps=2", "eval.every=0", "eval.sample_tokens=0"]),
+        root / "runs" / "chat",
+    )
+    shutil.copytree(runs_dir / "alpha", root / "runs" / "base")
+    return root / "runs"
+
+
+@pytest.fixture(scope="module")
+def client(root):
+    with serving(root) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120), url
+
+
+def sample_chat(run, prompt: str, tokens: int) -> str:
+    out = io.StringIO()
+    args = ["sample", str(run), "--chat", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(tokens)]
+    with contextlib.redirect_stdout(out):
+        assert main(args) == 0
+    return out.getvalue().removeprefix("--- sample 0\n").removesuffix("\n")
+
+
+def test_the_chat_route_answers_as_sample_chat_does_plain_and_streamed(client, root):
+    api, _ = client
+    expected = sample_chat(root / "chat", "name a colour", 8)
+    args = {"model": "chat", "messages": ASK[1:], "max_tokens": 8, "temperature": 0}
+    answer = api.chat.completions.create(**args)
+    assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == expected
+    chunks = list(api.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_seed_and_max_tokens_work_and_text_parts_are_read(client):
+    api, _ = client
+    args = {"model": "chat", "messages": ASK, "max_tokens": 6, "temperature": 1.5, "n": 2, "seed": 7}
+    first, again = (api.chat.completions.create(**args) for _ in range(2))
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert len(first.choices) == 2 and first.usage.completion_tokens <= 12
+    parts = [{"role": "user", "content": [{"type": "text", "text": "name a "}, {"type": "text", "text": "colour"}]}]
+    joined = api.chat.completions.create(model="chat", messages=parts, max_tokens=4, temperature=0)
+    plain = api.chat.completions.create(model="chat", messages=ASK[1:], max_tokens=4, temperature=0)
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        (None, "messages"),
+        ([], "messages"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], "messages[1].role"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
+        (["hi"], "messages[0]"),
+    ],
+)
+def test_bad_messages_are_400s_naming_the_field(client, messages, param):
+    _, url = client
+    body = {"model": "chat", **({} if messages is None else {"messages": messages})}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_base_model_is_refused_in_openai_s_form(client):
+    api, _ = client
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="base", messages=ASK, max_tokens=4)
+    assert e.value.code == "model_not_chat" and "without a chat template" in e.value.message
