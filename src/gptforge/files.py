@@ -163,7 +163,8 @@ def writing(target: Path) -> Iterator[None]:
     except (GptforgeError, KeyboardInterrupt):
         raise
     except OSError as e:
-        where = e.filename if e.filename and ".tmp" not in str(e.filename) else target  # not our temp names
+        temp = e.filename and any(t in str(e.filename) for t in (".tmp", ".gptforge-tmp"))
+        where = e.filename if e.filename and not temp else target  # not our temp names
         if e.errno is None and _disk_full(target, e):  # numpy's short write: "N requested and M written"
             raise GptforgeError(f"cannot write {where}: No space left on device ({e})") from None
         raise GptforgeError(f"cannot write {where}: {e.strerror or e}") from None
@@ -199,6 +200,8 @@ def check_output_dir(
     """Refuse an output folder whose writing would destroy data: the folder a command reads from, a parent of it or
     a folder inside it, a folder holding a gptforge run in a subfolder (always, unless the command `writes_runs`
     there itself), or any existing non-empty folder unless `force` names it for replacement."""
+    if not str(out).strip():  # Path('') is the current folder
+        raise GptforgeError(f"{flag} {out!r}: empty (expected a folder name)")
     out = Path(out)
     target = resolved_path(out, flag)
     _refuse_unreachable(out, flag)

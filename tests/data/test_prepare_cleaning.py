@@ -59,8 +59,8 @@ def test_planted_exact_and_near_copies_are_removed_keeping_the_first(tmp_path):
     assert exact["splits"]["train"]["docs"] == 13
     said = summarize(m, tmp_path / "out").splitlines()
     assert said[2].startswith("removed: exact duplicates 1 (") and ", near duplicates 1 (" in said[2]
-    assert said[2].endswith("of 14 documents read (see report.md)")
-    assert summarize(raw, tmp_path / "raw").splitlines()[2] == "removed: nothing of 14 documents read (see report.md)"
+    assert said[2].endswith("of 14 documents met (see report.md)")
+    assert summarize(raw, tmp_path / "raw").splitlines()[2] == "removed: nothing of 14 documents met (see report.md)"
 
 
 def _leaky_names(val_fraction=0.5):

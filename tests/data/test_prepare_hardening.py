@@ -52,3 +52,42 @@ def test_a_changed_tokenizer_file_is_not_resumed(tmp_path):
         GptforgeError, match=r"unfinished prepare with other settings \(--tokenizer \(the file's sha256"
     ):
         prepare(settings, out, workers=1)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"source": ""}, "SOURCE '': empty"),
+        ({"source": "hf:"}, "SOURCE 'hf:': names no dataset"),
+        ({"tokenizer": ""}, "--tokenizer '': empty"),
+        ({"decontaminate": [""]}, "--decontaminate '': empty"),
+    ],
+)
+def test_empty_names_are_refused(flags, message):
+    with pytest.raises(GptforgeError, match=message):
+        PrepareSettings.from_flags(**{"source": "c", **flags})
+
+
+def test_the_same_folder_written_another_way_is_the_same_source(tmp_path, monkeypatch):
+    from gptforge.files import check_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    saved = PrepareSettings.from_flags("c1").to_json()
+    for same in ("c1/", "./c1", str(tmp_path / "c1")):
+        assert PrepareSettings.from_flags(same).matches(saved), same
+    assert not PrepareSettings.from_flags("c2").matches(saved)
+    with pytest.raises(GptforgeError, match="--out '': empty"):
+        check_output_dir("", force=True)
+
+
+def test_the_summary_adds_up_and_does_not_say_wrote():
+    from gptforge.data.prepare import summarize
+    from gptforge.data.report import STAGES
+
+    stages = {s: {"docs": 0, "bytes": 0} for s in STAGES}
+    stages.update(read={"docs": 2, "bytes": 20}, kept={"docs": 2, "bytes": 20})
+    stages["empty skipped"] = {"docs": 4, "bytes": 0}
+    split = {"docs": 2, "tokens": 9, "bytes": 20}
+    lines = summarize({"splits": {"train": split}, "report": {"stages": stages}, "shards": [{}]}, "o").splitlines()
+    assert lines[1] == "removed: empty skipped 4 (0.00 MB) of 6 documents met (see report.md)"
+    assert lines[2] == "o: 1 shard(s) and manifest.json"

@@ -95,6 +95,13 @@ def test_presets_name_the_public_datasets():
         ("bad.jsonl.gz", b"this is not gzip", r"bad\.jsonl\.gz: corrupt or truncated gzip"),
         ("bad.jsonl", b'{"text": 3}\n', r"bad\.jsonl:1: field 'text' is int, expected a string"),
         ("bad.parquet", b"PAR1 nonsense", r"bad\.parquet: not a readable parquet file"),
+        ("s.jsonl", b'{"text": "\\ud800 x"}\n', r"s\.jsonl:1: field 'text' holds a lone surrogate \\ud800"),
+        ("deep.jsonl", b"[" * 200_000 + b"]" * 200_000, r"deep\.jsonl:1: JSON nested too deeply"),
+        (
+            "chat.jsonl",
+            b'{"messages": []}\n',
+            r"chat\.jsonl:1: expected .* field 'text' .*\(conversations\? use --chat\)",
+        ),
     ],
 )
 def test_bad_files_are_named(tmp_path, name, content, message):
@@ -146,3 +153,19 @@ def test_symlink_loops_and_aliases_are_read_once(tmp_path):
     assert sorted(folder) == ["a", "b", "h"]
     assert glob == [(f"{tmp_path.as_posix()}/c/a.txt", "a"), (f"{tmp_path.as_posix()}/c/sub/b.txt", "b")]
     assert [t for _, t in documents(str(tmp_path / "c" / ".*.txt"), "text")] == ["h"]
+
+
+@pytest.mark.parametrize("values", [[1, 2], [["a"], ["b"]], [b"a", b"b"]])
+def test_a_parquet_text_column_of_another_type_is_named(tmp_path, values):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": values}), tmp_path / "i.parquet")
+    with pytest.raises(GptforgeError, match=r"i\.parquet: column 'text' is \w+.*, expected strings"):
+        list(documents(str(tmp_path / "i.parquet"), "text"))
+
+
+def test_a_glob_ending_in_double_star_reads_the_files_below(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c1" / "sub").mkdir(parents=True)
+    (tmp_path / "c1" / "a.py").write_text("x = 1\n")
+    (tmp_path / "c1" / "sub" / "b.py").write_text("y = 2\n")
+    assert [name for name, _ in documents("c1/**")] == ["c1/a.py", "c1/sub/b.py"]

@@ -315,6 +315,8 @@ def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
             for stage, c in stages.items()
             if stage not in ("read", "kept") and c["docs"]
         ]
-        read = stages["read"]["docs"]
-        lines.append(f"removed: {', '.join(removed) or 'nothing'} of {read:,} documents read (see report.md)")
-    return "\n".join([*lines, f"wrote {len(manifest['shards'])} shard(s) and manifest.json to {out_dir}"])
+        # Skipped files never become documents read: "met" counts them too, so kept + removed = met.
+        met = sum(c["docs"] for stage, c in stages.items() if stage == "read" or "skipped" in stage)
+        lines.append(f"removed: {', '.join(removed) or 'nothing'} of {met:,} documents met (see report.md)")
+    # Not "wrote": a folder already prepared was only read.
+    return "\n".join([*lines, f"{out_dir}: {len(manifest['shards'])} shard(s) and manifest.json"])

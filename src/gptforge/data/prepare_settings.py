@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,7 @@ class PrepareSettings:
         corpus; `dedup`: a mode (none, exact, near) or its settings; `clean`: a filter set (none, code, web),
         `clean_set` its changes; `ext`: the file types read (languages.parse_extensions)."""
         _check_numbers(val_fraction, shard_tokens)
+        _check_names(source, tokenizer, decontaminate)
         if train_tokenizer is not None:
             check_vocab_size(train_tokenizer)
             if tokenizer != "gpt2":
@@ -145,6 +147,8 @@ class PrepareSettings:
         """These settings as a folder holding `saved` would have recorded them (a later key at its default
         stays out of an older folder's)."""
         mine = self.to_json()
+        if _same_place(saved.get("source"), self.source):  # the same folder, however the path was written
+            mine["source"] = saved["source"]
         defaults = PrepareSettings(**{f: getattr(self, f) for f in _LEGACY_FIELDS}).to_json()
         return {
             k: v
@@ -179,6 +183,27 @@ def _files_said(corpus: dict[str, Any] | None) -> str:
         return "a corpus not listed"
     digest = str(corpus.get("sha256"))[:12]
     return f"{corpus.get('files', 0):,} files of {corpus.get('bytes', 0):,} bytes (digest {digest})"
+
+
+def _check_names(source: str, tokenizer: str, decontaminate: Sequence[str]) -> None:
+    """One line for an empty name, which would otherwise read the current folder or a file named ''."""
+    for flag, value in (
+        ("SOURCE", source),
+        ("--tokenizer", tokenizer),
+        *(("--decontaminate", d) for d in decontaminate),
+    ):
+        if not str(value).strip():
+            raise GptforgeError(f"{flag} {value!r}: empty (expected a name)")
+    if source.startswith("hf:") and not source[3:].partition(":")[0].strip():
+        raise GptforgeError(f"SOURCE {source!r}: names no dataset (expected hf:NAME[:CONFIG])")
+
+
+def _same_place(saved: Any, source: str) -> bool:
+    """Whether a saved SOURCE names the same local path as `source` ('c1', 'c1/', './c1' and its absolute path)."""
+    named = (s for s in (saved, source) if isinstance(s, str))
+    if any(s == "stdlib" or s.startswith("hf:") for s in named) or not isinstance(saved, str):
+        return saved == source
+    return os.path.abspath(saved) == os.path.abspath(source)
 
 
 def _check_numbers(val_fraction: float, shard_tokens: int) -> None:

@@ -177,6 +177,8 @@ def _glob(pattern: str) -> list[Path]:
     """Paths matching `pattern`, by pathlib: its `**` stays out of symlinked folders, where glob.glob follows
     a symlink loop until the OS stops it. Hidden names match only a pattern part starting with '.', as in glob."""
     prefix, rest = _glob_root(pattern)
+    if rest.split("/")[-1] == "**":  # pathlib's '**' matches folders only; glob.glob's also their files
+        rest += "/*"
     base = Path(prefix or ".")
     hidden_ok = any(part.startswith(".") for part in rest.split("/"))
     try:
@@ -214,11 +216,20 @@ def _json_text(record, text_field: str, where: str) -> str:
     try:
         text = record[text_field]
     except (KeyError, TypeError) as e:
-        raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r} ({e})") from None
+        chat = isinstance(record, dict) and ("messages" in record or "instruction" in record)
+        hint = " (conversations? use --chat)" if chat else ""
+        raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r} ({e}){hint}") from None
     if text is None:  # as parquet and hf: read a null: an empty document, counted in the report
         return ""
     if not isinstance(text, str):
         raise GptforgeError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
+    if not text.isascii():  # JSON's \ud800 escapes make lone surrogates, which no tokenizer can encode
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise GptforgeError(
+                f"{where}: field {text_field!r} holds a lone surrogate \\u{ord(text[e.start]):04x} (not text)"
+            ) from None
     return text
 
 
@@ -226,6 +237,7 @@ def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[Docum
     """Rows of one column, read a batch at a time (bounded memory)."""
     try:
         import pyarrow.parquet as pq
+        import pyarrow.types as pa_types
     except ImportError:
         raise GptforgeError(f"{path}: reading parquet needs pyarrow (pip install 'gptforge[hf]')") from None
     try:
@@ -236,6 +248,9 @@ def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[Docum
         raise GptforgeError(
             f"{path}: no column {text_field!r} (columns: {parquet.schema_arrow.names}; see --text-field)"
         )
+    kind = parquet.schema_arrow.field(text_field).type
+    if not (pa_types.is_string(kind) or pa_types.is_large_string(kind) or pa_types.is_null(kind)):
+        raise GptforgeError(f"{path}: column {text_field!r} is {kind}, expected strings")
     row = 0
     for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
