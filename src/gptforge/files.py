@@ -200,9 +200,7 @@ def check_output_dir(
     """Refuse an output folder whose writing would destroy data: the folder a command reads from, a parent of it or
     a folder inside it, a folder holding a gptforge run in a subfolder (always, unless the command `writes_runs`
     there itself), or any existing non-empty folder unless `force` names it for replacement."""
-    if not str(out).strip():  # Path('') is the current folder
-        raise GptforgeError(f"{flag} {out!r}: empty (expected a folder name)")
-    out = Path(out)
+    out = output_folder(out, flag)
     target = resolved_path(out, flag)
     _refuse_unreachable(out, flag)
     for source in reads:
@@ -223,6 +221,13 @@ def check_output_dir(
             f"{flag} {out}: exists and is not empty; pick another folder, or pass --force to replace it "
             "(the old folder is removed only once the new one is complete)"
         )
+
+
+def output_folder(out: str | Path, flag: str = "--out") -> Path:
+    """`out` as a Path, or one line for an empty name (Path('') would be the current folder)."""
+    if not str(out).strip():
+        raise GptforgeError(f"{flag} {str(out)!r}: empty (expected a folder name)")
+    return Path(out)
 
 
 def resolved_path(path: str | Path, flag: str) -> Path:

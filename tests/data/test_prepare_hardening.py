@@ -72,12 +72,15 @@ def test_the_same_folder_written_another_way_is_the_same_source(tmp_path, monkey
     from gptforge.files import check_output_dir
 
     monkeypatch.chdir(tmp_path)
+    _code(tmp_path).rename("c1")
     saved = PrepareSettings.from_flags("c1").to_json()
     for same in ("c1/", "./c1", str(tmp_path / "c1")):
         assert PrepareSettings.from_flags(same).matches(saved), same
     assert not PrepareSettings.from_flags("c2").matches(saved)
     with pytest.raises(GptforgeError, match="--out '': empty"):
         check_output_dir("", force=True)
+    with pytest.raises(GptforgeError, match="--out '': empty"):
+        prepare(PrepareSettings.from_flags("c1"), "", workers=1)
 
 
 def test_the_summary_adds_up_and_does_not_say_wrote():

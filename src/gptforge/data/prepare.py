@@ -48,7 +48,7 @@ from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_
 from gptforge.data.sources import Document, documents, local_paths, source_bytes, source_state
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, check_output_dir, locked, swap_dir
+from gptforge.files import atomic_write, check_output_dir, locked, output_folder, swap_dir
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def prepare(
     source = settings.source
     skipped: list[tuple[str, int, str]] = []  # (name, bytes, why): filled as the documents are read
     docs = documents(source, settings.text_field, extensions=settings.extensions, skipped=skipped)  # missing: fails
-    out = Path(out_dir)
+    out = output_folder(out_dir)
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = holds_own_data(out)
     given_file = [] if settings.trained_vocab is not None or settings.tokenizer == "gpt2" else [settings.tokenizer]
