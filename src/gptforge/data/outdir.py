@@ -29,6 +29,8 @@ TOKENIZER_FILE = "tokenizer.json"
 REPORT_FILE = "report.md"
 # Errors of the disk being written, not of the source being read (a network drop is not "cannot write").
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
+# What the messages of errors that the same command resumes from say (files.writing's, the engine's, prepare's).
+RESUMABLE = ("cannot write", "run the same command again")
 # The files prepare writes (atomic_write leaves a temp file of one when killed mid-write).
 OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE, REPORT_FILE))) + r"|(train|val)_\d+\.bin"
 
@@ -76,12 +78,12 @@ def marked_if_failed(folder: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def removed_if_failed(out: Path, created: bool) -> Iterator[None]:
-    """Remove `out` on an error when this command `created` it, so a refused corpus leaves nothing behind; a write
-    error ("cannot write": a full disk, which the same command resumes) and a folder that existed before are left."""
+    """Remove `out` on an error when this command `created` it, so a refused corpus leaves nothing behind; an error
+    the same command resumes from (RESUMABLE: a full disk, Slurm tasks still running) and an older folder are left."""
     try:
         yield
     except GptforgeError as e:
-        if created and not str(e).startswith("cannot write"):
+        if created and not any(said in str(e) for said in RESUMABLE):
             shutil.rmtree(out, ignore_errors=True)
         raise
 
