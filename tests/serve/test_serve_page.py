@@ -1,5 +1,6 @@
 """The web page in a real headless Chromium (the system's, driven by Playwright): no console errors, the curves
-of both runs, live updates while metrics.jsonl grows, and a typed prompt streaming a completion."""
+of both runs, live updates while metrics.jsonl grows, a typed prompt streaming a completion, and a conversation
+in chat mode."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import shutil
 import httpx
 import pytest
 from tests.serve.server import serving
+
+from gptforge.checkpoint import latest_checkpoint
+from gptforge.config import load_config
+from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+from gptforge.train.trainer import train
 
 pytest.importorskip("uvicorn")
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -21,6 +27,20 @@ WAIT_MS = 60_000  # generous: a bound for a busy CI machine, not a measurement
 def runs(runs_dir, tmp_path_factory):
     """A copy of the runs, which these tests grow as training would."""
     return shutil.copytree(runs_dir, tmp_path_factory.mktemp("page") / "runs")
+
+
+@pytest.fixture(scope="module")
+def chat_run(runs, runs_dir):
+    """runs/chat: `alpha` fine-tuned for 2 steps on conversations (as in test_serve_chat.py), a model that chats;
+    module-scoped, so it is in place before a test's page loads."""
+    work = runs.parent
+    rows = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+            for i in range(40)]  # fmt: skip
+    (work / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_chat(str(work / "rows.jsonl"), work / "chat-data", ChatSettings(val_fraction=0.2))
+    settings = [f"data.path={work / 'chat-data'}", f"train.init_from={latest_checkpoint(runs_dir / 'alpha')}"]
+    train(load_config("tiny", [*settings, "train.max_steps=2", "eval.every=0", "eval.sample_tokens=0"]), runs / "chat")
+    return "chat"
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +110,8 @@ def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, se
         ".observe(document.getElementById('out-text'), {childList: true, characterData: true, subtree: true})"
     )
     page.click("#generate")
+    page.wait_for_timeout(3000)
+    print("DEBUG", page.inner_text("#out-info"), page.locator("#conversation").inner_text())
     page.wait_for_function("document.getElementById('out-info').textContent.includes('finished')", timeout=WAIT_MS)
     body = {"model": "alpha", "prompt": "def add_all", "max_tokens": 12, "temperature": 0}
     expected = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
@@ -109,3 +131,47 @@ def test_a_suffix_in_the_playground_asks_for_an_infill(page):
     expected = [p for p in page.problems if "400 (Bad Request)" in p]
     assert len(expected) == 1
     page.problems.remove(expected[0])
+
+
+def chat_turn(page, server, message: str, messages: list[dict]) -> list[str]:
+    """Sends `message` from the page, checks that the page sent the whole conversation (`messages`, which grows by
+    both turns) to stream, and asks the API the same greedily; returns the texts the conversation view shows."""
+    page.fill("#message", message)
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.press("#message", "Enter")
+    page.wait_for_function("document.getElementById('out-info').textContent.includes('finished')", timeout=WAIT_MS)
+    messages.append({"role": "user", "content": message})
+    body = {"model": "chat", "messages": messages, "max_tokens": 3, "temperature": 0}
+    assert request.value.post_data_json == {**body, "stream": True}
+    messages.append(httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"])
+    return page.locator("#conversation .message").all_text_contents()
+
+
+def test_chat_mode_streams_each_reply_into_the_conversation_and_shows_a_base_model_s_refusal(page, server, chat_run):
+    page.check("input[name=mode][value=chat]")
+    assert page.locator("#prompt").is_hidden() and page.locator("#output").is_hidden()
+    assert page.inner_text("#generate") == "Send"
+    page.fill("#max-tokens", "3")  # the tiny model's context is 32 tokens: room for two short turns
+    page.fill("#temperature", "0")
+    page.fill("#message", "hi")
+    page.click("#generate")  # the selected run is `alpha`, a base model
+    page.wait_for_function("document.getElementById('out-info').textContent.includes('error')", timeout=WAIT_MS)
+    assert "is a base model without a chat template" in page.inner_text("#out-info")
+    assert page.locator("#conversation .message").count() == 0  # the turn is taken back, the message kept
+    assert page.input_value("#message") == "hi"
+    refused = [p for p in page.problems if "400 (Bad Request)" in p]
+    assert len(refused) == 1
+    page.problems.remove(refused[0])
+
+    page.wait_for_selector(f"#run option[value={chat_run}]", state="attached", timeout=WAIT_MS)
+    page.select_option("#run", chat_run)
+    page.fill("#system", "Be brief.")
+    system = [{"role": "system", "content": "Be brief."}]
+    assert chat_turn(page, server, "hi", system) == ["hi", system[2]["content"]] and system[2]["content"]
+    page.click("#reset")
+    assert page.locator("#conversation .message").count() == 0 and page.inner_text("#out-info") == ""
+
+    page.fill("#system", "")
+    plain: list[dict] = []
+    chat_turn(page, server, "hi", plain)
+    assert chat_turn(page, server, "say 3", plain) == [m["content"] for m in plain]

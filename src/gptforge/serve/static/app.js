@@ -1,5 +1,6 @@
 // gptforge serve's page: polls the runs' metrics (redrawn only when metrics.jsonl changed), shows the selected
-// run's samples and config, and streams completions from its newest checkpoint through the OpenAI API.
+// run's samples and config, and streams completions, or a chat's replies, from its newest checkpoint through the
+// OpenAI API.
 "use strict";
 
 const POLL_MS = 2000;
@@ -7,7 +8,10 @@ const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4,
 const chartHeight = (width) => (width < 500 ? 180 : 220); // shorter on a phone: more than one chart per screen
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
 const $ = (id) => document.getElementById(id);
-const state = { runs: [], metrics: {}, versions: {}, charts: {}, selected: null, shownVersion: null, abort: null };
+const state = {
+  runs: [], metrics: {}, versions: {}, charts: {}, selected: null, shownVersion: null, abort: null,
+  chat: [], // the playground's conversation: {role, content} turns, the system message apart
+};
 
 function headers() {
   const key = localStorage.getItem("gptforge-key");
@@ -188,31 +192,38 @@ $("keyform").addEventListener("submit", (event) => {
   state.shownVersion = null;
 });
 
-// --- playground: POST /v1/completions with stream: true, read as server-sent events ---------------------
+// --- playground: POST /v1/completions or /v1/chat/completions with stream: true, read as server-sent events -----
 
-async function generate() {
-  const prompt = $("prompt").value;
-  const suffix = $("suffix").value;
-  $("out-prompt").textContent = prompt;
-  $("out-suffix").textContent = suffix;
-  $("out-text").textContent = "";
+const mode = () => document.querySelector("input[name=mode]:checked").value;
+
+function showMode() {
+  for (const el of document.querySelectorAll("[data-mode]")) el.hidden = el.dataset.mode !== mode();
+  $("generate").textContent = mode() === "chat" ? "Send" : "Generate";
   $("out-info").textContent = "";
+}
+
+// Streams the selected run's answer to `body`, handing each choice of each chunk to onChoice; false on an error.
+async function stream(url, body, onChoice) {
   state.abort = new AbortController();
   $("generate").disabled = true;
   $("stop").disabled = false;
+  $("out-info").textContent = "";
   try {
-    const r = await fetch("/v1/completions", {
+    const r = await fetch(url, {
       method: "POST", signal: state.abort.signal,
       headers: { "Content-Type": "application/json", ...headers() },
       body: JSON.stringify({
-        model: state.selected, prompt, stream: true, ...(suffix ? { suffix } : {}),
+        model: state.selected, stream: true, ...body,
         max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),
       }),
     });
-    if (!r.ok) { const body = await r.json(); throw new Error(body.error.message); }
-    await readEvents(r.body.getReader());
+    if (!r.ok) { const answer = await r.json(); throw new Error(answer.error.message); }
+    await readEvents(r.body.getReader(), onChoice);
+    return true;
   } catch (e) {
-    if (e.name !== "AbortError") $("out-info").textContent = "error: " + (e.message || e);
+    if (e.name === "AbortError") return true; // stopped: what came so far stays
+    $("out-info").textContent = "error: " + (e.message || e);
+    return false;
   } finally {
     state.abort = null;
     $("generate").disabled = false;
@@ -220,7 +231,7 @@ async function generate() {
   }
 }
 
-async function readEvents(reader) {
+async function readEvents(reader, onChoice) {
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
@@ -235,13 +246,66 @@ async function readEvents(reader) {
       const chunk = JSON.parse(line);
       if (chunk.error) throw new Error(chunk.error.message);
       for (const c of chunk.choices) {
-        $("out-text").textContent += c.text;
+        onChoice(c);
         if (c.finish_reason) $("out-info").textContent = `${chunk.system_fingerprint} · finished: ${c.finish_reason}`;
       }
     }
   }
 }
 
-$("generate").addEventListener("click", generate);
+function complete() {
+  const prompt = $("prompt").value;
+  const suffix = $("suffix").value;
+  $("out-prompt").textContent = prompt;
+  $("out-suffix").textContent = suffix;
+  $("out-text").textContent = "";
+  return stream("/v1/completions", { prompt, ...(suffix ? { suffix } : {}) }, (c) => { $("out-text").textContent += c.text; });
+}
+
+function addMessage(role, content) {
+  const div = Object.assign(document.createElement("div"), { className: "message " + role, textContent: content });
+  div.dataset.role = role === "user" ? "you" : "assistant";
+  $("conversation").append(div);
+  return div;
+}
+
+// The whole conversation goes with every message (the server keeps none); a reply that failed is taken back out,
+// its message put back in the box, so the next one does not follow an unanswered turn.
+async function send() {
+  const content = $("message").value;
+  if (!content.trim()) return;
+  const history = state.chat; // Reset starts a new one: a reply still streaming then lands in the old one
+  history.push({ role: "user", content });
+  $("message").value = "";
+  const asked = addMessage("user", content);
+  const reply = addMessage("assistant", "");
+  const system = $("system").value.trim() ? [{ role: "system", content: $("system").value }] : [];
+  const ok = await stream("/v1/chat/completions", { messages: [...system, ...history] }, (c) => {
+    reply.textContent += (c.delta && c.delta.content) || "";
+    $("conversation").scrollTop = $("conversation").scrollHeight;
+  });
+  if (ok) { history.push({ role: "assistant", content: reply.textContent }); return; }
+  history.pop();
+  asked.remove();
+  reply.remove();
+  if (!$("message").value) $("message").value = content;
+}
+
+function reset() {
+  if (state.abort) state.abort.abort();
+  state.chat = [];
+  $("conversation").replaceChildren();
+  $("out-info").textContent = "";
+}
+
+for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", showMode);
+$("message").addEventListener("keydown", (event) => {
+  if (event.key !== "Enter" || event.shiftKey || event.isComposing) return;
+  event.preventDefault();
+  if (!$("generate").disabled) send();
+});
+$("generate").addEventListener("click", () => (mode() === "chat" ? send() : complete()));
 $("stop").addEventListener("click", () => state.abort && state.abort.abort());
+$("reset").addEventListener("click", reset);
+showMode(); // a reload keeps the checked mode
 poll();
