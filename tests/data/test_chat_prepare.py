@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from gptforge.data.chat import with_chat
 from gptforge.data.chat_prepare import ChatSettings, prepare_chat, read_mask
@@ -163,3 +164,24 @@ def test_an_out_among_the_files_a_chat_prepare_reads_is_refused(tmp_path):
     with pytest.raises(GptforgeError, match="which this command reads"):
         prepare_chat(str(kept), tmp_path, ChatSettings(decontaminate=(str(evals),)), force=True)
     assert kept.is_file() and evals.is_file()
+
+
+def test_the_validation_loss_of_a_chat_folder_is_the_mean_over_the_replies_tokens(tmp_path):
+    from gptforge.eval.loss import evaluate_loss
+    from gptforge.model.gpt import GPT, GPTConfig
+
+    rows = [_turns(("user", "word " * (i % 7 + 1)), ("assistant", "reply " * (1 + i % 5))) for i in range(24)]
+    rows.append(_turns(("user", "  "), ("assistant", "end")))
+    prepare_chat(str(_write(tmp_path / "c.jsonl", rows)), tmp_path / "out", ChatSettings(val_fraction=0.5))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50259, n_layer=1, n_head=2, n_embd=16, document_token=50256))
+    result = evaluate_loss(model, tmp_path / "out", 1, 32, 10_000, torch.device("cpu"), torch.float32)
+    loader = TokenLoader(tmp_path / "out", "val", batch_size=1, seq_len=32, shuffle=False)
+    total, count = 0.0, 0
+    for w in range(loader.n_windows):
+        x, y = loader.batch([w])
+        logits, _ = model(x, y, all_logits=True)
+        keep = y[0] >= 0
+        total += torch.nn.functional.cross_entropy(logits[0][keep], y[0][keep], reduction="sum").item()
+        count += int(keep.sum())
+    assert result["tokens"] == count and abs(result["loss"] - total / count) < 1e-5

@@ -137,5 +137,7 @@ def test_with_lora_the_optimizer_holds_and_steps_the_adapters_alone_without_deca
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
     model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))[1].backward()
     opt.step()
-    assert {id(p) for p in opt.state} == adapters  # a plain AdamW: Muon has no matrix left to train  # optimizer state for the adapters alone
+    assert {
+        id(p) for p in opt.state
+    } == adapters  # a plain AdamW: Muon has no matrix left to train  # optimizer state for the adapters alone
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if ".lora_" not in n)

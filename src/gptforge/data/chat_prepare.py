@@ -114,7 +114,7 @@ def chat_form(source: str) -> str | None:
         first = next((line for line in f if line.strip()), "")
     try:
         row = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past reading: not conversations
         return None
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
         return "OpenAI messages"
@@ -140,6 +140,9 @@ def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[
                         raise ConversationError(f"split {split!r} is not one of {', '.join(SPLITS)}", "split")
                 except json.JSONDecodeError:
                     _bad(counts, where, "not JSON", "not JSON")
+                    continue
+                except RecursionError:
+                    _bad(counts, where, "JSON nested too deeply to read", "not JSON")
                     continue
                 except ConversationError as e:
                     _bad(counts, where, str(e), e.param)
