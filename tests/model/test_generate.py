@@ -153,3 +153,43 @@ def test_batched_generation_writes_what_each_prompt_writes_alone(block):
                          eot=7, generator=g)[0]  # fmt: skip
         assert item.new == alone, i
     assert any(len(item.new) < item.max_new_tokens for item in items)  # some ended at token 7
+
+
+def test_rows_drawn_together_get_the_tokens_each_gets_alone_over_gpt2s_vocabulary():
+    """A greedy row among drawn ones, rules of every kind, float32 and bfloat16 logits."""
+    from gptforge.model.generate import Sampling, sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    rules = [Sampling(1.0), Sampling(0.0), Sampling(0.7), Sampling(1.3, top_k=40), Sampling(0.9, top_p=0.8)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for _ in range(2):
+            logits = (torch.randn(len(rules), 50257, generator=g) * 4).to(dtype)
+            uniforms = torch.rand(len(rules), generator=g, dtype=torch.float64)
+            together = sample_rows(logits, rules, uniforms).tolist()
+            alone = [int(sample_rows(logits[i : i + 1], rules[i : i + 1], uniforms[i : i + 1])) for i in range(5)]
+            assert together == alone
+
+
+def test_drawing_at_temperature_1_passes_over_the_vocabulary_twice_in_float32():
+    """The serving step's cost at small models: a float64 copy and rescaling of every row halved the tokens/s."""
+    from torch.overrides import TorchFunctionMode
+
+    from gptforge.model.generate import Sampling, sample_rows
+
+    class Passes(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []  # each new (8, V) tensor: a pass over the whole batch's vocabulary
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (8, 50257) and all(out is not a for a in args):
+                self.made.append((func.__name__, out.dtype))
+            return out
+
+    logits, uniforms = torch.randn(8, 50257), torch.rand(8, dtype=torch.float64)
+    with Passes() as passes:
+        tokens = sample_rows(logits, [Sampling(1.0)] * 8, uniforms)
+    assert passes.made == [("softmax", torch.float32), ("cumsum", torch.float32)]
+    alone = [int(sample_rows(row[None], [Sampling(1.0)], u[None])) for row, u in zip(logits, uniforms, strict=True)]
+    assert tokens.tolist() == alone

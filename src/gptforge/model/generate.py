@@ -50,32 +50,51 @@ def sample_rows(logits: torch.Tensor, rules: list[Sampling], uniforms: torch.Ten
     """One token id per row of (B, V) logits, row i by rules[i]; a drawn row inverts its cumulative distribution at
     uniforms[i] (in [0, 1)), so it gets the same token alone or beside any other rows. Non-finite logits (a
     diverged model) are an error on every path, greedy included."""
-    chosen = logits.argmax(dim=-1)
-    _check_finite(logits.gather(-1, chosen[:, None]))  # argmax picks a NaN or +inf if there is one
+    greedy = [i for i, rule in enumerate(rules) if rule.greedy]
     drawn = [i for i, rule in enumerate(rules) if not rule.greedy]
     if not drawn:
-        return chosen
-    # In float64 and relative to the row's maximum, a tiny temperature sends every other logit to -inf rather
-    # than the maximum to inf (inf - inf is NaN): 1e-40 is greedy in effect, as it should be.
-    x = logits[drawn].double()
-    column = functools.partial(torch.tensor, device=logits.device)
-    x = (x - x.amax(dim=-1, keepdim=True)) / column([rules[i].temperature for i in drawn], dtype=x.dtype)[:, None]
-    top_k = column([min(rules[i].top_k or x.size(-1), x.size(-1)) for i in drawn])
-    if bool((top_k < x.size(-1)).any()):
+        return _most_likely(logits)
+    if not greedy:
+        return _draw(logits.float(), rules, uniforms)
+    chosen = torch.empty(len(rules), dtype=torch.long, device=logits.device)
+    chosen[greedy] = _most_likely(logits[greedy])
+    chosen[drawn] = _draw(logits[drawn].float(), [rules[i] for i in drawn], uniforms[drawn])
+    return chosen
+
+
+def _most_likely(x: torch.Tensor) -> torch.Tensor:
+    best = x.argmax(dim=-1)
+    _check_finite(x.gather(-1, best[:, None]))  # argmax picks a NaN or +inf if there is one
+    return best
+
+
+def _draw(x: torch.Tensor, rules: list[Sampling], uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token at its uniform, in float32 (float64 took twice as long): softmax and cumsum go row by
+    row, so a row's token does not depend on the rows beside it."""
+    column = functools.partial(torch.tensor, device=x.device, dtype=x.dtype)
+    # Relative to the row's maximum, a temperature below float32's smallest normal (tiny) sends every logit not
+    # tied with the maximum to -inf rather than the maximum to inf (0 / 0 is NaN): 1e-40 is greedy in effect.
+    temperatures = [max(rule.temperature, torch.finfo(x.dtype).tiny) for rule in rules]
+    if any(t != 1.0 for t in temperatures):  # at 1 this would change no bit: softmax subtracts the maximum itself
+        x = (x - x.amax(dim=-1, keepdim=True)) / column(temperatures)[:, None]
+    vocab = x.size(-1)
+    if any(rule.top_k is not None and rule.top_k < vocab for rule in rules):
+        top_k = column([min(rule.top_k or vocab, vocab) for rule in rules], dtype=torch.long)
         kth = torch.topk(x, int(top_k.max())).values.gather(-1, top_k[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
-    top_p = column([1.0 if rules[i].top_p is None else rules[i].top_p for i in drawn], dtype=x.dtype)
-    if bool((top_p < 1.0).any()):
+    if any(rule.top_p is not None and rule.top_p < 1.0 for rule in rules):
+        top_p = column([1.0 if rule.top_p is None else rule.top_p for rule in rules])[:, None]
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
-        outside = (probs.cumsum(dim=-1) - probs > top_p[:, None]) & (top_p[:, None] < 1.0)
+        outside = (probs.cumsum(dim=-1) - probs > top_p) & (top_p < 1.0)
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(outside, float("-inf")))
+    # Float32 bounds: a token's share of [0, total) is its probability to within a float32 step of the total.
     cdf = torch.softmax(x, dim=-1).cumsum(dim=-1)
+    _check_finite(cdf[:, -1])  # a NaN or +inf logit makes its row's total NaN
     # 1 - u is in (0, 1]: scaled by the total mass, the first index reaching it has a probability above zero.
-    target = (1.0 - uniforms[drawn].to(cdf))[:, None] * cdf[:, -1:]
-    chosen[drawn] = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=x.size(-1) - 1)
-    return chosen
+    target = (1.0 - uniforms).to(cdf)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=vocab - 1)
 
 
 def _check_finite(values: torch.Tensor) -> None:
