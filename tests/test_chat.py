@@ -89,3 +89,17 @@ def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):
     assert main(["chat", str(base)]) == 1
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and all("is a base model without the chat template" in e for e in errors)
+
+
+def test_a_full_context_drops_the_oldest_exchange_whole_and_keeps_the_system_message():
+    from types import SimpleNamespace
+
+    from gptforge.sample import _fit
+
+    tok = with_chat(load_tokenizer("gpt2"))
+    system = [Message("system", "Be brief.")]
+    turns = [Message(r, f"{r} turn {i} " + "word " * 10) for i, r in enumerate(["user", "assistant"] * 3 + ["user"])]
+    whole = len(format_chat(tok, [*system, *turns], True).ids)
+    ids, kept = _fit(SimpleNamespace(tokenizer=tok), system, turns, whole - 1)
+    assert kept == turns[2:] and kept[0].role == "user"  # the oldest question goes with its answer
+    assert ids == format_chat(tok, [*system, *kept], True).ids.tolist()

@@ -65,7 +65,7 @@ def test_the_chat_route_answers_as_sample_chat_does_plain_and_streamed(client, r
     chunks = list(api.chat.completions.create(**args, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].choices[0].delta.content is None
 
 
 def test_n_seed_and_max_tokens_work_and_text_parts_are_read(client):
