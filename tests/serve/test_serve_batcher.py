@@ -195,3 +195,21 @@ def test_choices_and_requests_each_draw_their_own_stream_and_a_seed_repeats_its_
     assert all(len(t) > 24 for pair in texts for t in pair), texts
     assert texts[0] == texts[1]  # the same seed, the same choices, even in one batch
     assert len({t for pair in texts[1:] for t in pair}) == 6, texts  # every other choice its own
+
+
+def test_one_draw_a_step_takes_every_choice_the_rows_and_those_past_the_context(run, monkeypatch):
+    """Sampling a row at a time cost its fixed overhead per row; a choice past the context still draws as alone."""
+    import gptforge.serve.batcher as batcher_module
+
+    past = {"prompt": "x = 1\n" * 12, "max_tokens": 6, "temperature": 0.9, "seed": 5}  # 36 tokens: past 32
+    alone = Request(b := Batcher(8, threading.Event()), run, **past)
+    drain(b, alone)
+    draws = []
+    real = batcher_module.sample_rows
+    monkeypatch.setattr(batcher_module, "sample_rows", lambda logits, *a: draws.append(len(logits)) or real(logits, *a))
+    batcher = Batcher(8, threading.Event())
+    requests = [Request(batcher, run, **past), Request(batcher, run, prompt="def", max_tokens=6, temperature=0, n=2)]
+    batcher.step()  # each choice's first two tokens: one from its prefill, one from the first decode
+    draws.clear()
+    drain(batcher, *requests)
+    assert draws == [3] * 4 and requests[0].text() == alone.text()

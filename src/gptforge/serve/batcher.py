@@ -216,7 +216,8 @@ class Batcher:
         return prefill
 
     def _decode(self) -> None:
-        """One token for every choice in the batch: the rows in one forward, those past the context one by one."""
+        """One token for every choice in the batch: the rows in one forward, those past the context one by one, then
+        every choice's token in one draw."""
         for choice in [*self._rows, *self._past]:
             if choice.task.job.cancel.is_set():
                 self._cancel(choice.task)
@@ -229,22 +230,20 @@ class Batcher:
         for choice in [c for c, n in zip(self._rows, lengths, strict=True) if n == block]:
             self._remove(choice)
             self._slide(choice)
-        if self._rows:
-            rows = list(self._rows)
-            idx = torch.tensor([[c.ids[-1]] for c in rows], device=run.device)
-            with autocast(run.device, run.dtype):
-                logits = forward_logits(run.model, idx, self._cache)[:, -1]
-            for choice, token in zip(rows, self._sample(rows, logits) or [], strict=False):
-                if not choice.task.ended.is_set() and self._take(choice, token):
-                    self._remove(choice)
-        for choice in list(self._past):
-            if choice.task.ended.is_set():
-                continue
-            idx = torch.tensor([choice.ids[-block:]], device=run.device)
-            with autocast(run.device, run.dtype):
-                logits = forward_logits(run.model, idx, None)[:, -1]
-            tokens = self._sample([choice], logits)
-            if tokens is not None and self._take(choice, tokens[0]):
+        rows, past = list(self._rows), [c for c in self._past if not c.task.ended.is_set()]
+        if not rows and not past:
+            return
+        logits = []
+        with autocast(run.device, run.dtype):
+            if rows:
+                idx = torch.tensor([[c.ids[-1]] for c in rows], device=run.device)
+                logits.append(forward_logits(run.model, idx, self._cache)[:, -1])
+            for choice in past:  # one forward each: batched, their float32 logits round differently (~1e-6)
+                idx = torch.tensor([choice.ids[-block:]], device=run.device)
+                logits.append(forward_logits(run.model, idx, None)[:, -1])
+        # One draw for all: a draw per row past the context paid sample_rows' fixed cost once for each.
+        for choice, token in zip(rows + past, self._sample(rows + past, torch.cat(logits)) or [], strict=False):
+            if not choice.task.ended.is_set() and self._take(choice, token):
                 self._remove(choice)
 
     def _slide(self, choice: Choice) -> None:
