@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gptforge.data.fim import FIM_TEXTS, with_fim
-from gptforge.data.tokenizer import Tokenizer
+from gptforge.data.fim import with_fim
+from gptforge.data.tokenizer import ExtendedTokenizer, Tokenizer
 from gptforge.errors import GptforgeError
 
 CHAT_TEXTS = ("<|im_start|>", "<|im_end|>")
@@ -53,40 +53,23 @@ class ChatTokens:
     mask: np.ndarray
 
 
-class ChatTokenizer(Tokenizer):
-    """A tokenizer with `<|im_start|>` and `<|im_end|>` appended past its vocabulary; `name` and `path` stay the
-    base's, as checkpoints and data folders record that one."""
+class ChatTokenizer(ExtendedTokenizer):
+    """A tokenizer with `<|im_start|>` and `<|im_end|>` appended past its vocabulary."""
 
     def __init__(self, base: Tokenizer) -> None:
-        self.base, self.name, self.path, self.eot = base, base.name, base.path, base.eot
+        super().__init__(base, CHAT_TEXTS)
         self.im_start, self.im_end = base.vocab_size, base.vocab_size + 1
-        self.vocab_size = base.vocab_size + len(CHAT_TEXTS)
         self.sentinels = getattr(base, "sentinels", None)  # a FIM base keeps infilling
         self.stop_ids = (self.im_end,)  # a reply ends with its turn
-
-    def encode(self, text: str) -> list[int]:
-        return self.base.encode(text)
-
-    def decode(self, ids) -> str:
-        out, run = [], []
-        for i in (int(i) for i in ids):
-            if i < self.base.vocab_size:
-                run.append(i)
-                continue
-            out += [self.base.decode(run), CHAT_TEXTS[i - self.base.vocab_size]]
-            run = []
-        return "".join(out) + self.base.decode(run)
 
 
 def added_tokens(tokenizer: Tokenizer) -> dict[int, str]:
     """Every special token a tokenizer appends past its base vocabulary (FIM's sentinels, the chat template's), by
     id: what exports declare as added tokens."""
     found: dict[int, str] = {}
-    while hasattr(tokenizer, "base"):
-        base = tokenizer.base
-        texts = CHAT_TEXTS if isinstance(tokenizer, ChatTokenizer) else FIM_TEXTS
-        found.update({base.vocab_size + i: t for i, t in enumerate(texts)})
-        tokenizer = base
+    while isinstance(tokenizer, ExtendedTokenizer):
+        found.update({tokenizer.base.vocab_size + i: t for i, t in enumerate(tokenizer.texts)})
+        tokenizer = tokenizer.base
     return dict(sorted(found.items()))
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gptforge.data.tokenizer import Tokenizer
+from gptforge.data.tokenizer import ExtendedTokenizer, Tokenizer
 
 FIM_TEXTS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>")
 FIM_STREAM = 0xF1F  # keeps FIM's random numbers apart from the window order's, which shares the seed
@@ -30,27 +30,12 @@ class Sentinels:
     suffix: int
 
 
-class FIMTokenizer(Tokenizer):
-    """A tokenizer with the FIM sentinels appended past its vocabulary; text never encodes to them, and they decode
-    to their names. `name` and `path` stay the base tokenizer's: checkpoints and data folders record that one."""
+class FIMTokenizer(ExtendedTokenizer):
+    """A tokenizer with the FIM sentinels appended past its vocabulary."""
 
     def __init__(self, base: Tokenizer) -> None:
-        self.base, self.name, self.path, self.eot = base, base.name, base.path, base.eot
+        super().__init__(base, FIM_TEXTS)
         self.sentinels = Sentinels(*range(base.vocab_size, base.vocab_size + 3))
-        self.vocab_size = base.vocab_size + len(FIM_TEXTS)
-
-    def encode(self, text: str) -> list[int]:
-        return self.base.encode(text)
-
-    def decode(self, ids) -> str:
-        out, run = [], []
-        for i in (int(i) for i in ids):
-            if i < self.base.vocab_size:
-                run.append(i)
-                continue
-            out += [self.base.decode(run), FIM_TEXTS[i - self.base.vocab_size]]
-            run = []
-        return "".join(out) + self.base.decode(run)
 
 
 def with_fim(tokenizer: Tokenizer, fim_rate: float) -> Tokenizer:

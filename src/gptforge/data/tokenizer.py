@@ -46,6 +46,30 @@ class Tokenizer:
         raise NotImplementedError
 
 
+class ExtendedTokenizer(Tokenizer):
+    """A tokenizer with special tokens appended past its base's vocabulary (FIM's sentinels, the chat template's):
+    text never encodes to them, and they decode to their names. `name` and `path` stay the base's, as checkpoints
+    and data folders record that one."""
+
+    def __init__(self, base: Tokenizer, texts: tuple[str, ...]) -> None:
+        self.base, self.name, self.path, self.eot = base, base.name, base.path, base.eot
+        self.texts = texts
+        self.vocab_size = base.vocab_size + len(texts)
+
+    def encode(self, text: str) -> list[int]:
+        return self.base.encode(text)
+
+    def decode(self, ids) -> str:
+        out, run = [], []
+        for i in (int(i) for i in ids):
+            if i < self.base.vocab_size:
+                run.append(i)
+                continue
+            out += [self.base.decode(run), self.texts[i - self.base.vocab_size]]
+            run = []
+        return "".join(out) + self.base.decode(run)
+
+
 class GPT2Tokenizer(Tokenizer):
     def __init__(self) -> None:
         self.name = "gpt2"
