@@ -53,6 +53,7 @@ def test_the_terminal_chat_keeps_the_conversation_and_resets_on_request(chat_ckp
     )
     seen = [[m.role for m in conversation] for conversation in _spy.calls]
     assert seen == [
+        ["system", "user"],  # the opening's size, measured at the start
         ["system", "user"],
         ["system", "user", "assistant", "user"],
         ["system", "user"],  # after /reset
@@ -89,6 +90,7 @@ def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):
     assert main(["chat", str(base)]) == 1
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and all("is a base model without the chat template" in e for e in errors)
+    assert errors[1].startswith(f"gptforge chat: error: {base} is a base model")  # named once
 
 
 def test_a_full_context_drops_the_oldest_exchange_whole_and_keeps_the_system_message():
@@ -103,3 +105,20 @@ def test_a_full_context_drops_the_oldest_exchange_whole_and_keeps_the_system_mes
     ids, kept = _fit(SimpleNamespace(tokenizer=tok), system, turns, whole - 1)
     assert kept == turns[2:] and kept[0].role == "user"  # the oldest question goes with its answer
     assert ids == format_chat(tok, [*system, *kept], True).ids.tolist()
+
+
+def test_blank_lines_are_not_messages_and_a_system_message_that_fills_the_context_is_refused(chat_ckpt):
+    from gptforge.errors import GptforgeError
+
+    said, lines = [], iter(["", "   ", "/exit"])
+    sent = SpyFormat(format_chat)
+    import gptforge.sample
+
+    gptforge.sample.format_chat, real = sent, gptforge.sample.format_chat
+    try:
+        chat_session(str(chat_ckpt), ChatSettings(), read=lambda p: next(lines), write=lambda *a, **k: said.append(a))
+    finally:
+        gptforge.sample.format_chat = real
+    assert len(sent.calls) == 1  # only the opening's measure: no blank line was sent
+    with pytest.raises(GptforgeError, match="^--system: "):
+        chat_session(str(chat_ckpt), ChatSettings(system="word " * 40), read=lambda p: "/exit", write=print)

@@ -20,6 +20,7 @@ from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import MANIFEST
 from gptforge.data.sources import stdlib_documents
+from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, locked, replacing_dir, to_json, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
@@ -125,6 +126,10 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     if latest_checkpoint(base_dir) is None:
         print(f"no trained model in {base_dir}: training the demo's first", flush=True)
         run_demo(str(base_dir), str(data_dir), None, [])
+    if not (data_dir / TOKENIZER_FILE).is_file():
+        raise GptforgeError(
+            f"--data {data_dir}: no {TOKENIZER_FILE}; the demo's data (prepared with its own BPE) is what --base reads"
+        )
     rows_file = prepare_function_conversations(data_dir, chat_data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     start = [f"data.path={chat_data}", f"train.init_from={latest_checkpoint(base_dir)}"]

@@ -52,12 +52,12 @@ def sample_texts(
     return _pieces(run, prompts, num_samples, settings, suffix, chat)
 
 
-def check_chat_model(run: Inference, checkpoint: str, flag: str) -> None:
+def check_chat_model(run: Inference, checkpoint: str, flag: str = "") -> None:
     """Refuse a model that was never taught the chat template: its vocabulary has no <|im_start|> to read."""
     if not isinstance(run.tokenizer, ChatTokenizer):
         raise GptforgeError(
-            f"{flag}: {checkpoint} is a base model without the chat template; fine-tune it on conversations first "
-            "(prepare --chat, then train with --set train.init_from=" + checkpoint + ")"
+            f"{flag + ': ' if flag else ''}{checkpoint} is a base model without the chat template; fine-tune it on "
+            f"conversations first (prepare --chat, then train with --set train.init_from={checkpoint})"
         )
 
 
@@ -131,9 +131,12 @@ def chat_session(
     it comes; /reset forgets the conversation, /exit or end of input ends it. The oldest turns leave the context
     first (a system message stays)."""
     run = load_for_inference(checkpoint, device, dtype)
-    check_chat_model(run, checkpoint, "gptforge chat")
+    check_chat_model(run, checkpoint)
     block, budget = run.model.config.block_size, settings.max_new_tokens
     system = [Message("system", settings.system)] if settings.system else []
+    opening = len(format_chat(run.tokenizer, [*system, Message("user", "")], add_generation_prompt=True).ids)
+    if opening > block // 2:  # no room left for a message and its reply
+        raise GptforgeError(f"--system: {opening:,} tokens with the template, half the model's context or more")
     g = torch.Generator(device=run.device).manual_seed(settings.seed)
     steps = (budget, 1, settings.temperature, settings.top_k, settings.top_p, run.tokenizer.eot, g, True)
     write(f"{checkpoint}: {block:,} tokens of context. /reset starts over, /exit (or Ctrl-D) ends.")
@@ -146,6 +149,8 @@ def chat_session(
             return
         if line.strip() in ("/exit", "/quit"):
             return
+        if not line.strip():  # a blank line is not a message
+            continue
         if line.strip() == "/reset":
             turns = []
             write("(a new conversation)")

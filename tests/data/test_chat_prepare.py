@@ -185,3 +185,33 @@ def test_the_validation_loss_of_a_chat_folder_is_the_mean_over_the_replies_token
         total += torch.nn.functional.cross_entropy(logits[0][keep], y[0][keep], reduction="sum").item()
         count += int(keep.sum())
     assert result["tokens"] == count and abs(result["loss"] - total / count) < 1e-5
+
+
+def test_rows_that_used_to_raise_are_bad_rows_and_text_parts_are_read(tmp_path):
+    parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {"role": "assistant", "content": "a"},
+        ]
+    }
+    lines = [json.dumps(GOOD[0]), json.dumps(parts), '{"messages": [{"role": "user", "content": "a\\ud800"}, '
+             '{"role": "assistant", "content": "b"}]}', '{"x": ' + "9" * 5000 + "}"]  # fmt: skip
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    manifest = prepare_chat(str(tmp_path / "c.jsonl"), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["splits"]["train"]["docs"] == 2
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "c.jsonl:3: messages[0].content: holds a lone surrogate" in report and "c.jsonl:4: not JSON" in report
+
+
+def test_a_base_model_on_conversations_and_windows_with_no_reply_are_one_line(tmp_path):
+    from gptforge.eval.loss import evaluate_loss
+    from gptforge.model.gpt import GPT, GPTConfig
+
+    prepare_chat(str(_write(tmp_path / "c.jsonl", GOOD)), tmp_path / "out", ChatSettings(val_fraction=0))
+    base = GPT(GPTConfig(block_size=32, vocab_size=50259, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(GptforgeError, match="conversations .*this one is a base model"):
+        evaluate_loss(base, tmp_path / "out", 1, 32, 1000, torch.device("cpu"), torch.float32, split="train")
+    long = [_turns(("user", "word " * 60), ("assistant", f"r{i}")) for i in range(4)]
+    prepare_chat(str(_write(tmp_path / "l.jsonl", long)), tmp_path / "long", ChatSettings(val_fraction=0))
+    with pytest.raises(GptforgeError, match="every conversation is cut before its reply"):
+        TokenLoader(tmp_path / "long", "train", batch_size=1, seq_len=32)

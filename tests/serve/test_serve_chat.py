@@ -103,3 +103,26 @@ def test_a_base_model_is_refused_in_openai_s_form(client):
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model="base", messages=ASK, max_tokens=4)
     assert e.value.code == "model_not_chat" and "without a chat template" in e.value.message
+
+
+def test_what_sdks_send_is_read_and_a_reply_ends_at_the_context(client):
+    _, url = client
+    body = {"model": "chat", "messages": ASK[1:], "temperature": 0, "logprobs": False}
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={**body, "max_completion_tokens": None, "max_tokens": 3}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 100}, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= 32  # tiny's context: never slid past
+    assert r["choices"][0]["finish_reason"] in ("length", "stop")
+    long = [{"role": "user", "content": "word " * 40}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "chat", "messages": long}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b\ud800"}]
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=json.dumps({"model": "chat", "messages": bad}),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content"

@@ -128,3 +128,15 @@ def test_two_gloo_processes_fine_tune_with_lora_as_one_process(chat_dir, base, t
     wa, wb = (load_checkpoint(r, merge=False)[0].state_dict() for r in (tmp_path / "one", tmp_path / "two"))
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_chat_run_and_its_base_disagreeing_on_fim_is_refused():
+    from gptforge.errors import GptforgeError
+    from gptforge.train.finetune import check_fim
+
+    base = load_config("tiny", ["data.fim_rate=0.5"])
+    run = load_config("tiny", ["train.init_from=base"])
+    with pytest.raises(GptforgeError, match="train.init_from=base: trained with data.fim_rate=0.5, this run with 0"):
+        check_fim(run, base, "chatml")
+    check_fim(run, base, "")  # no template: the sentinels are FIM's alone
+    check_fim(load_config("tiny", ["data.fim_rate=0.5"]), base, "chatml")

@@ -62,7 +62,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.muon_momentum": _within(0, 1),
     "data.fim_rate": _within(0, 1, high_ok=True),
     "data.fim_spm_rate": _within(0, 1, high_ok=True),
-    "data.chat_template": _one_of("", TEMPLATE_NAME),
+    "data.chat_template": ((lambda v: v in ("", TEMPLATE_NAME)), f"'' (a base model) or {TEMPLATE_NAME}"),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _within(1, 2**48, high_ok=True),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),

@@ -86,7 +86,8 @@ def with_chat(tokenizer: Tokenizer) -> ChatTokenizer:
 
 
 def parse_messages(messages: object, where: str = "messages") -> list[Message]:
-    """OpenAI's `messages` list, checked: each a {role, content} object with a known role and string content."""
+    """OpenAI's `messages` list, checked: each a {role, content} object with a known role and string content (or a
+    list of text parts, [{"type": "text", "text": ...}], joined) that is valid Unicode."""
     if not isinstance(messages, list) or not messages:
         raise ConversationError(f"{where}: expected a non-empty list of messages", where)
     out = []
@@ -94,13 +95,26 @@ def parse_messages(messages: object, where: str = "messages") -> list[Message]:
         field = f"{where}[{i}]"
         if not isinstance(message, dict):
             raise ConversationError(f"{field}: expected an object with 'role' and 'content'", field)
-        role, content = message.get("role"), message.get("content")
+        role, content = message.get("role"), _joined(message.get("content"))
         if role not in ROLES:
             raise ConversationError(f"{field}.role: {role!r} is not one of {', '.join(ROLES)}", f"{field}.role")
         if not isinstance(content, str):
-            raise ConversationError(f"{field}.content: expected a string", f"{field}.content")
+            raise ConversationError(f"{field}.content: expected a string or text parts", f"{field}.content")
+        try:
+            content.encode()
+        except UnicodeEncodeError:  # JSON's escapes can make a lone surrogate, which no tokenizer can encode
+            bad = f"{field}.content"
+            raise ConversationError(f"{bad}: holds a lone surrogate, not valid Unicode", bad) from None
         out.append(Message(role, content))
     return out
+
+
+def _joined(content: object) -> object:
+    """Content given as text parts (as clients and datasets in OpenAI's form send it), joined; else as it came."""
+    parts = content if isinstance(content, list) and content else None
+    if parts and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return "".join(p["text"] for p in parts)
+    return content
 
 
 def conversation_from_row(row: object) -> list[Message]:
@@ -113,7 +127,9 @@ def conversation_from_row(row: object) -> list[Message]:
         if not all(isinstance(p, str) for p in (*parts, row["output"])):
             raise ConversationError("instruction, input and output must be strings", "instruction")
         prompt = "\n\n".join(p for p in parts if p)
-        messages = [Message("user", prompt), Message("assistant", row["output"])]
+        messages = parse_messages(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+        )
     else:
         raise ConversationError("expected {'messages': [...]} or Alpaca's instruction/input/output", "messages")
     if not any(m.role == "assistant" for m in messages):

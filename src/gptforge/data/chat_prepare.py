@@ -114,7 +114,7 @@ def chat_form(source: str) -> str | None:
         first = next((line for line in f if line.strip()), "")
     try:
         row = json.loads(first)
-    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past reading: not conversations
+    except (ValueError, RecursionError):  # not JSON, past Python's digits or nesting: not conversations
         return None
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
         return "OpenAI messages"
@@ -138,7 +138,7 @@ def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[
                     split = row.get("split")  # a dict: conversation_from_row refused anything else
                     if split is not None and split not in SPLITS:
                         raise ConversationError(f"split {split!r} is not one of {', '.join(SPLITS)}", "split")
-                except json.JSONDecodeError:
+                except ValueError:  # JSONDecodeError, or an integer past Python's 4,300 digits
                     _bad(counts, where, "not JSON", "not JSON")
                     continue
                 except RecursionError:

@@ -91,6 +91,11 @@ class TokenLoader:
         self.B, self.T, self.rank, self.world = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.spans = None if chat is None else pack_conversations(self.shards, self.offsets, self.eot, seq_len + 1)
+        if self.masks is not None and self.masks and not _learnable(self.masks, self.spans):
+            raise GptforgeError(
+                f"{data_dir}: no reply of split {split!r} starts within a window of {seq_len + 1} tokens "
+                "(model.block_size): every conversation is cut before its reply; shorten the requests"
+            )
         self.n_windows = max(0, (int(self.offsets[-1]) - 1) // seq_len) if self.spans is None else len(self.spans)
         unit = batch_size * world_size
         unit = step_windows if step_windows % unit == 0 and unit <= step_windows <= self.n_windows else unit
@@ -234,3 +239,9 @@ def pack_conversations(shards: list[np.ndarray], offsets: np.ndarray, eot: int, 
     if fill:
         spans.append((start, fill))
     return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+
+def _learnable(masks: list[np.ndarray], spans: np.ndarray) -> int:
+    """Targets the loss counts over every window (a window's first token is never a target)."""
+    total = np.concatenate([[0], np.cumsum(np.concatenate([np.asarray(m, dtype=np.int64) for m in masks]))])
+    return int((total[spans[:, 0] + spans[:, 1]] - total[spans[:, 0] + 1]).sum())

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gptforge.data.loader import TokenLoader
+from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
@@ -50,6 +51,11 @@ def evaluate_loss(
     split, built once.
     """
     loader = loader or TokenLoader(data_dir, split, batch_size, seq_len, shuffle=False)
+    if loader.masks is not None and getattr(model, "config", None) and model.config.document_token < 0:
+        raise GptforgeError(
+            f"{data_dir}: conversations (prepare --chat), which only a model fine-tuned on them reads; this one is a "
+            "base model (fine-tune it: train with --set train.init_from=...)"
+        )
     mine = evaluated_windows(loader, max_tokens)[env.rank :: env.world_size]
     was_training = model.training
     model.eval()

@@ -106,7 +106,7 @@ class Engine:
             raise ApiError(
                 400,
                 f"this model's maximum context length is {block} tokens, but the prompt has {len(ids)}",
-                "prompt",
+                "messages" if req.messages is not None else "prompt",
                 "context_length_exceeded",
             )
         return ids

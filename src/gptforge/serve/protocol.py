@@ -127,6 +127,8 @@ def _check_arguments(body: Any, known: set[str]) -> None:
         raise ApiError(400, f"unrecognized request argument supplied: {', '.join(sorted(extra))}", sorted(extra)[0])
     for key, neutral in NEUTRAL.items():
         value = body.get(key)
+        if key == "logprobs" and value is False:  # the chat API's default, which SDKs send
+            continue
         if value is not None and (isinstance(value, bool) or value != neutral):  # false == 0 in Python, not in JSON
             raise ApiError(400, f"'{key}' is not supported by gptforge serve (leave it unset)", key, "unsupported")
     if not isinstance(body.get("model"), str):
@@ -189,13 +191,10 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
     if "messages" not in body:
         raise ApiError(400, "'messages' is required", "messages")
     try:
-        messages = parse_messages(
-            [_text_parts(m) for m in body["messages"]] if isinstance(body["messages"], list) else body["messages"]
-        )
+        messages = parse_messages(body["messages"])
     except ConversationError as e:
         raise ApiError(400, str(e), e.param, "invalid_value") from None
-    _check_unicode([m.content for m in messages], "messages")
-    limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return CompletionRequest(
         model=body["model"],
         prompts=[""],
@@ -209,17 +208,6 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
         stream=_flag(body, "stream"),
         include_usage=_include_usage(body),
     )
-
-
-def _text_parts(message: Any) -> Any:
-    """A message whose content is a list of text parts ([{"type": "text", "text": ...}], as some clients send)
-    with that text joined; anything else as it came, for parse_messages to judge."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return {**message, "content": "".join(p["text"] for p in content)}
-    return message
 
 
 def _text(body: dict, key: str, default: str | None) -> str | None:

@@ -29,6 +29,18 @@ def chat_template(cfg: Config, manifests: list[dict[str, Any]], init_cfg: Config
     return TEMPLATE_NAME if is_chat_data(manifests) or cfg.data.chat_template or inherited else ""
 
 
+def check_fim(cfg: Config, init_cfg: Config | None, template: str) -> None:
+    """Refuse a chat model and FIM changing between the base and the run: both append tokens past the vocabulary,
+    so one's ids would become the other's."""
+    if init_cfg is None or not template or (init_cfg.data.fim_rate > 0) == (cfg.data.fim_rate > 0):
+        return
+    raise GptforgeError(
+        f"train.init_from={cfg.train.init_from}: trained with data.fim_rate={init_cfg.data.fim_rate:g}, this run "
+        f"with {cfg.data.fim_rate:g}; with the chat template both would take the ids past the vocabulary (not "
+        "supported): keep data.fim_rate as the base had it"
+    )
+
+
 def chat_tokenizer(tokenizer: Tokenizer, template: str) -> Tokenizer:
     return with_chat(tokenizer) if template and not isinstance(tokenizer, ChatTokenizer) else tokenizer
 

@@ -32,7 +32,7 @@ from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
-from gptforge.train.finetune import adapt, chat_template, chat_tokenizer, fit_vocabulary, packed_model
+from gptforge.train.finetune import adapt, chat_template, chat_tokenizer, check_fim, fit_vocabulary, packed_model
 from gptforge.train.optim import build_optimizer, lr_at
 from gptforge.train.plan import GIB, check_fits, grad_accumulation
 
@@ -166,6 +166,7 @@ def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Ten
         execution = {key: getattr(cfg.model, key) for key in RUN_OWN_MODEL_KEYS}
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
     template = chat_template(cfg, data.manifests, init_cfg)  # a chat model stays one
+    check_fim(cfg, init_cfg, template)
     data.tokenizer = tokenizer = chat_tokenizer(tokenizer, template)
     model_cfg = dataclasses.replace(
         packed_model(model_cfg, data.manifests, tokenizer.eot), vocab_size=tokenizer.vocab_size
@@ -178,7 +179,11 @@ def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Ten
     data_cfg = dataclasses.replace(cfg.data, path=path, mix=mix, chat_template=template)
     prompt = sample_prompt(data.manifests) if cfg.eval.prompt == AUTO_PROMPT else cfg.eval.prompt
     eval_cfg = dataclasses.replace(cfg.eval, prompt=prompt)
-    return dataclasses.replace(cfg, model=model_cfg, data=data_cfg, eval=eval_cfg), weights
+    # As data.path: an absolute base, so a resume from another working directory still finds it.
+    train_cfg = dataclasses.replace(
+        cfg.train, init_from=os.path.abspath(cfg.train.init_from) if cfg.train.init_from else ""
+    )
+    return dataclasses.replace(cfg, model=model_cfg, data=data_cfg, eval=eval_cfg, train=train_cfg), weights
 
 
 def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_from: Path | None) -> Config:
