@@ -78,7 +78,7 @@ def _pieces(
                 f"{run.model.config.block_size:,}; shorten {'it' if chat else 'the prefix or the suffix'}"
             )
         steps = settings
-        if suffix is not None:  # the middle ends where the context does, its sentinels still in the window
+        if suffix is not None or chat:  # it ends where the context does: its sentinels, or its opening, stay in
             steps = (min(settings[0], run.model.config.block_size - len(ids) + 1), *settings[1:])
         mark = _reverse if suffix is not None and sys.stdout.isatty() else str
         for _ in range(num_samples):

@@ -248,8 +248,10 @@ class Batcher:
 
     def _slide(self, choice: Choice) -> None:
         """The choice fills the context: a completion goes on recomputing its last block_size tokens each step; an
-        infill ends ("length"), since the window sliding past its start would drop its FIM sentinels."""
-        if choice.task.job.req.suffix is None:
+        infill or a chat reply ends ("length"), since the window sliding past its start would drop its FIM sentinels
+        or the template's opening of the conversation."""
+        req = choice.task.job.req
+        if req.suffix is None and req.messages is None:
             self._past.append(choice)
         else:
             self._finish(choice, "length")
