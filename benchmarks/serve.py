@@ -1,20 +1,22 @@
 """A bounded load test of `gptforge serve`: k concurrent clients send a fixed count of completions.
 
     python benchmarks/serve.py PATH [--clients 1,8] [--requests 64] [--max-tokens 64] [--prompt TEXT] [--stream]
-                                    [--queue N] [--parallel N] [--threads N] [--json FILE]
+                                    [--queue N] [--parallel N] [--threads N] [--json FILE] [--decode-step]
 
 Starts `gptforge serve PATH` on a free port of 127.0.0.1 (its --queue: every client, unless --queue), then for each
 count in --clients in turn sends --requests completions from that many threads and prints p50/p99 latency (time to
 the whole answer; with --stream, also to the first token), generated tokens/s over the round, how many were refused
 (429), and whether the server still answers /v1/models. With several counts, each round is compared with the
 first: its tokens/s and p50 latency as multiples of the first round's (issue 25's target for 8 clients against 1:
->= 3x the tokens/s, <= 2x the p50).
+>= 3x the tokens/s, <= 2x the p50). With --decode-step, no server: the batcher's step is timed in this process
+with each count of rows generating (what batching gains when HTTP and a loaded host's scheduling are left out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -78,8 +80,12 @@ def main() -> None:
     p.add_argument("--parallel", help="the server's --parallel")
     p.add_argument("--threads", help="the server's --threads")
     p.add_argument("--json", help="also write the rounds' figures to this file")
+    p.add_argument("--decode-step", action="store_true", help="time the batcher's step in this process instead")
     args = p.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
+    if args.decode_step:
+        decode_steps(args, counts)
+        return
     flags = tuple(
         f for name in ("threads", "parallel") if getattr(args, name) for f in (f"--{name}", getattr(args, name))
     )
@@ -102,6 +108,49 @@ def main() -> None:
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"flags": list(flags), "rounds": rounds}, indent=1) + "\n")
+
+
+def decode_steps(args: argparse.Namespace, counts: list[int]) -> None:
+    """The batcher's decode step in this process, no HTTP or client threads: ms a step with each count of rows
+    generating (3 rounds of --max-tokens; min and median), as on a loaded host the wall-clock rounds mostly
+    measure the scheduler."""
+    import torch
+
+    from gptforge.checkpoint import load_for_inference
+    from gptforge.serve.batcher import Batcher
+    from gptforge.serve.jobs import Job, Started
+    from gptforge.serve.protocol import Limits, parse_completion
+
+    if args.threads:
+        torch.set_num_threads(int(args.threads))
+    run = load_for_inference(args.path)
+    body = {"model": "m", "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 1.0}
+    rounds = []
+    for rows in counts:
+        times = []
+        for _ in range(3):
+            batcher = Batcher(rows, threading.Event())
+            for seed in range(rows):
+                job = Job(parse_completion(body | {"seed": seed}, Limits()), lambda event: None, time.monotonic() + 600)
+                batcher.submit(job, run, [run.tokenizer.encode(args.prompt)], Started("m", "m"))
+            batcher.step()  # the prefills
+            while batcher.generating == rows:
+                t0 = time.perf_counter()
+                batcher.step()
+                times.append(time.perf_counter() - t0)
+        ms = {"rows": rows, "min_ms": min(times) * 1e3, "median_ms": statistics.median(times) * 1e3}
+        rounds.append(ms | {"load_average": os.getloadavg()[0], "threads": torch.get_num_threads()})
+        print(f"{rows} rows: {ms['min_ms']:.2f} ms a step at best, median {ms['median_ms']:.2f} ms")
+    first = rounds[0]
+    for r in rounds[1:]:
+        for stat in ("min", "median"):  # k rows make k tokens a step
+            r[f"tokens_per_s_vs_first_{stat}"] = r["rows"] / first["rows"] * first[f"{stat}_ms"] / r[f"{stat}_ms"]
+        print(
+            f"{r['rows']} rows against {first['rows']}: {r['tokens_per_s_vs_first_median']:.2f}x the tokens/s "
+            f"(at best {r['tokens_per_s_vs_first_min']:.2f}x), a step {r['median_ms'] / first['median_ms']:.2f}x"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"decode_step": rounds}, indent=1) + "\n")
 
 
 def one_round(url: str, body: dict, clients: int, args: argparse.Namespace) -> dict:
@@ -136,8 +185,10 @@ def report(
         "p99_s": percentile(latency, 99),
         "tokens": tokens,
         "tokens_per_s": tokens / wall,
+        "load_average": os.getloadavg()[0],  # a shared host's other work shows in every figure: say how much
     }
     print(f"{args.requests} requests from {clients} clients, max_tokens {args.max_tokens}, in {wall:.1f} s")
+    print(f"load average (1 min) at the round's end: {figures['load_average']:.2f} on {os.cpu_count()} CPUs")
     print(f"answered {len(ok)}, refused (429) {figures['refused']}, other errors {figures['errors']}")
     print(f"latency p50 {figures['p50_s']:.3f} s, p99 {figures['p99_s']:.3f} s")
     if args.stream:
