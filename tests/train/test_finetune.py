@@ -140,3 +140,17 @@ def test_a_chat_run_and_its_base_disagreeing_on_fim_is_refused():
         check_fim(run, base, "chatml")
     check_fim(run, base, "")  # no template: the sentinels are FIM's alone
     check_fim(load_config("tiny", ["data.fim_rate=0.5"]), base, "chatml")
+
+
+def test_a_fine_tuning_computes_in_the_precision_its_base_learned_in(chat_dir, base, monkeypatch):
+    import json as json_
+
+    from gptforge.runtime.distributed import SINGLE
+    from gptforge.train.setup import resolve_precision
+
+    meta = json_.loads((base / "meta.json").read_text())
+    assert meta["config"]["train"]["dtype"] == "float32"  # the tiny preset's
+    monkeypatch.setattr("gptforge.train.setup.resolve_dtype", lambda *a: torch.bfloat16)  # this machine would pick bf16
+    cfg = tune(chat_dir, base, "train.dtype=auto")
+    resolved = resolve_precision(cfg, torch.device("cpu"), SINGLE, None)
+    assert resolved.train.dtype == "float32"

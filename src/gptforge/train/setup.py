@@ -187,11 +187,13 @@ def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Ten
 
 
 def resolve_precision(cfg: Config, device: torch.device, env: DistEnv, resume_from: Path | None) -> Config:
-    """train.dtype 'auto' made concrete, so config.toml and checkpoints say what ran: on resume the checkpoint's,
-    else this machine's pick (rank 0's on CPU, where it is measured, so that every rank computes alike)."""
+    """train.dtype 'auto' made concrete, so config.toml and checkpoints say what ran: on resume the checkpoint's, in
+    a fine-tuning the base's (what it learned in), else this machine's pick (rank 0's on CPU, where it is
+    measured, so that every rank computes alike)."""
     if cfg.train.dtype != "auto":
         return cfg
-    saved = read_meta(resume_from)["config"]["train"].get("dtype", "auto") if resume_from else "auto"
+    source = resume_from or (resolve_checkpoint(cfg.train.init_from) if cfg.train.init_from else None)
+    saved = read_meta(source)["config"]["train"].get("dtype", "auto") if source else "auto"
     name = saved if saved != "auto" else dtype_name(resolve_dtype("auto", device))
     if device.type == "cpu" and env.distributed:
         name = list(DTYPES)[broadcast_int(list(DTYPES).index(name), env, device)]
