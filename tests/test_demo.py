@@ -1,5 +1,6 @@
 """`gptforge demo` end to end on the real stdlib corpus, with a tiny model and a seconds-long budget."""
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -104,11 +105,19 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
 
     data, base, out = tmp_path / "data" / "stdlib", tmp_path / "runs" / "demo", tmp_path / "runs" / "demo-chat"
     prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, train_tokenizer=400), data, workers=1)
-    train(base_config(data), base)
+    cfg = base_config(data)  # with the context of the demo's model: a function's request and reply fit
+    train(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, block_size=256),
+            train=dataclasses.replace(cfg.train, micro_batch=1),
+        ),
+        base,
+    )
     files = sorted(corpus_dir.glob("*.py"))  # the corpus's files stand in for the stdlib's
     monkeypatch.setattr(gptforge.demo, "stdlib_documents", lambda: ((f.name, f.read_text()) for f in files))
     monkeypatch.setattr(gptforge.demo, "VAL_FRACTION", 0.2)
-    tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=2", "train.batch_tokens=128", "eval.every=0"]
+    tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=1", "train.batch_tokens=256", "eval.every=0"]
     assert (
         main(
             [

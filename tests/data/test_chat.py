@@ -71,7 +71,8 @@ def test_the_ids_decode_to_the_jinja_template_s_text(tok):
         ([{"role": "user", "content": "a"}, "b"], "messages[1]"),
         ([{"role": "tool", "content": "a"}], "messages[0].role"),
         ([{"role": "user", "content": None}], "messages[0].content"),
-        ([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
+        ([{"role": "user", "content": "a\ud800"}], "messages[0].content"),
     ],
 )
 def test_a_bad_message_names_its_field(messages, param):
