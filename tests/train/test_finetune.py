@@ -154,3 +154,17 @@ def test_a_fine_tuning_computes_in_the_precision_its_base_learned_in(chat_dir, b
     cfg = tune(chat_dir, base, "train.dtype=auto")
     resolved = resolve_precision(cfg, torch.device("cpu"), SINGLE, None)
     assert resolved.train.dtype == "float32"
+
+
+def test_a_chat_model_stays_one_on_plain_data_and_lora_values_are_checked():
+    from gptforge.errors import GptforgeError
+    from gptforge.train.finetune import chat_template
+
+    chat_base = load_config("tiny", ["data.chat_template=chatml"])
+    plain = load_config("tiny", ["train.init_from=base"])
+    assert chat_template(plain, [{"tokenizer": {}}], chat_base) == "chatml"  # inherited from the base
+    assert chat_template(plain, [{"tokenizer": {}}], load_config("tiny")) == ""
+    lora = ["train.init_from=base", "train.lora_rank=4"]
+    for bad, says in (("train.lora_dropout=1", r"in \[0, 1\)"), ("train.lora_rank=-1", r"in \[0, 4096\]")):
+        with pytest.raises(GptforgeError, match=f"{bad.split('=')[0]}=.*{says}"):
+            load_config("tiny", [*lora, bad])
