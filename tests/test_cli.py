@@ -240,3 +240,19 @@ def test_prepare_force_never_replaces_a_data_folder_holding_a_run(data_dir, corp
         "would delete; move it out first\n"
     )
     assert (data / "myrun" / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("mark", ["metrics.jsonl", "checkpoints"])
+def test_prepare_force_never_replaces_a_folder_that_is_a_run(corpus_dir, tmp_path, capsys, mark):
+    run = tiny_run(tmp_path / "run")
+    (run / "checkpoints").mkdir()
+    (run / ("checkpoints" if mark == "metrics.jsonl" else "metrics.jsonl")).rename(run / "kept")  # only `mark` left
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"instruction": "Say hi.", "output": "Hi."}) + "\n")
+    for source in ([str(corpus_dir)], [str(chats), "--chat"]):
+        assert main(["prepare", *source, "--out", str(run), "--force", "--val-fraction", "0"]) == 1
+        assert capsys.readouterr().err == (
+            f"gptforge prepare: error: --out {run}: is a gptforge run, which replacing the folder would delete; "
+            "write elsewhere\n"
+        )
+        assert sorted(p.name for p in run.iterdir()) == sorted([mark, "kept"])

@@ -118,22 +118,8 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     monkeypatch.setattr(gptforge.demo, "stdlib_documents", lambda: ((f.name, f.read_text()) for f in files))
     monkeypatch.setattr(gptforge.demo, "VAL_FRACTION", 0.2)
     tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=1", "train.batch_tokens=256", "eval.every=0"]
-    assert (
-        main(
-            [
-                "demo",
-                "--chat",
-                "--base",
-                str(base),
-                "--data",
-                str(data),
-                "--out",
-                str(out),
-                *sum((["--set", s] for s in tiny), []),
-            ]
-        )
-        == 0
-    )
+    args = ["demo", "--chat", "--base", str(base), "--data", str(data), "--out", str(out)]
+    assert main([*args, *sum((["--set", s] for s in tiny), [])]) == 0
     printed = capsys.readouterr().out
     assert "=== a conversation (held-out functions" in printed and f"gptforge chat {out}" in printed
     rows = [json.loads(line) for line in (tmp_path / "data" / "stdlib-chat.jsonl").read_text().splitlines()]
@@ -144,3 +130,6 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     assert tok.vocab_size == 402 and cfg.model.vocab_size == 402
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["replies"]) == 2 and summary["replies"][0]["request"].startswith("Write a Python function")
+    capsys.readouterr()
+    assert main([*args, "--force", *sum((["--set", s] for s in [*tiny, "train.max_steps=1"]), [])]) == 0  # rerun
+    assert load_checkpoint(out)[3]["step"] == 1

@@ -128,8 +128,8 @@ def test_check_output_dir_refuses_what_would_destroy_data(tmp_path):
         with pytest.raises(GptforgeError, match="which this command reads"):
             check_output_dir(out, force=True, reads=[source])
     with pytest.raises(GptforgeError, match="exists and is not empty; pick another folder, or pass --force"):
-        check_output_dir(run, force=False)
-    check_output_dir(run, force=True)
+        check_output_dir(run, force=False, is_run=True)
+    check_output_dir(run, force=True, is_run=True)
     check_output_dir(tmp_path / "new", force=False)
     (tmp_path / "only-lock").mkdir()
     (tmp_path / "only-lock" / LOCK).write_text("1")
@@ -151,7 +151,9 @@ def test_a_folder_inside_one_read_from_or_holding_a_run_is_never_replaced(tmp_pa
     with pytest.raises(GptforgeError, match=rf"holds a gptforge run \({data / 'runs' / 'old'}\)"):  # two levels down
         check_output_dir(data, force=True)
     check_output_dir(data, force=True, writes_runs=True)  # speedrun: OUT/NAME-seedS are its own runs
-    check_output_dir(data / "runs" / "old", force=True)  # a run folder itself (demo --force): its own checkpoints
+    with pytest.raises(GptforgeError, match=rf"^--out {data / 'runs' / 'old'}: is a gptforge run, which replacing"):
+        check_output_dir(data / "runs" / "old", force=True)  # prepare --out RUN --force
+    check_output_dir(data / "runs" / "old", force=True, is_run=True)  # demo --force, import --force: a run for a run
 
 
 def special_file(kind: str, folder: Path) -> Path:

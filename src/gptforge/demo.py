@@ -51,7 +51,7 @@ def run_demo(
     out_dir, data_dir = Path(out), Path(data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
-    check_output_dir(out_dir, force, reads=[data_dir])
+    check_output_dir(out_dir, force, reads=[data_dir], is_run=True)  # --force replaces the demo's run
     stdlib = PrepareSettings.from_flags("stdlib", val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
     prepare(stdlib, data_dir)  # reused when unchanged
     with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
@@ -122,7 +122,7 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     training split's documented functions; print replies to held-out requests."""
     base_dir, data_dir, out_dir = Path(base), Path(data), Path(out)
     chat_data = data_dir.with_name(f"{data_dir.name}-chat")
-    check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir])
+    check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir], is_run=True)
     if latest_checkpoint(base_dir) is None:
         print(f"no trained model in {base_dir}: training the demo's first", flush=True)
         run_demo(str(base_dir), str(data_dir), None, [])

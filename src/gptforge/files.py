@@ -195,11 +195,18 @@ def is_empty_dir(path: str | Path) -> bool:
 
 
 def check_output_dir(
-    out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out", *, writes_runs: bool = False
+    out: str | Path,
+    force: bool,
+    reads: Iterable[str | Path] = (),
+    flag: str = "--out",
+    *,
+    writes_runs: bool = False,
+    is_run: bool = False,
 ) -> None:
     """Refuse an output folder whose writing would destroy data: the folder a command reads from, a parent of it or
-    a folder inside it, a folder holding a gptforge run in a subfolder (always, unless the command `writes_runs`
-    there itself), or any existing non-empty folder unless `force` names it for replacement."""
+    a folder inside it, a gptforge run (unless the command writes one there: `is_run`) or a folder holding one in
+    a subfolder (unless the command `writes_runs` there itself), or any existing non-empty folder unless `force`
+    names it for replacement."""
     out = output_folder(out, flag)
     target = resolved_path(out, flag)
     _refuse_unreachable(out, flag)
@@ -211,6 +218,10 @@ def check_output_dir(
         if resolved in target.parents:  # a run inside its data folder: a later prepare --force would delete it
             raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")
     _refuse_non_folder(out)
+    if not is_run and _is_run(out):
+        raise GptforgeError(
+            f"{flag} {out}: is a gptforge run, which replacing the folder would delete; write elsewhere"
+        )
     run = None if writes_runs else _run_inside(out)
     if run is not None:
         raise GptforgeError(
@@ -258,6 +269,11 @@ def require_regular_file(path: str | Path, flag: str) -> Path:
     if not stat.S_ISREG(mode):
         raise GptforgeError(f"{flag} {path}: not a regular file (expected a file to read)")
     return path
+
+
+def _is_run(folder: Path) -> bool:
+    """True for a folder holding a run's log or checkpoints."""
+    return folder.is_dir() and any((folder / mark).exists() for mark in RUN_MARKS)
 
 
 def _run_inside(folder: Path) -> Path | None:

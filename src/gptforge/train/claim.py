@@ -17,7 +17,7 @@ RUN_FILES = {CONFIG, METRICS, SAMPLES, "checkpoints", "tensorboard", "wandb", WA
 def claim_run_dir(run_dir: Path, resume_from: Path | None, data_paths: list[str]) -> None:
     """Refuse to start in a folder that holds other files: continuing a run needs --resume, a checkpoint of
     another run resumes only into an empty folder (two runs' files never mix), and never into the data."""
-    check_output_dir(run_dir, force=True, reads=data_paths)
+    check_output_dir(run_dir, force=True, reads=data_paths, is_run=True)
     if is_empty_dir(run_dir):
         return
     if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
