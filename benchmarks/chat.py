@@ -8,7 +8,8 @@ of steps per seed, then score each on the held-out conversations (from the valid
 - for LoRA against full: trainable parameters, peak memory (RSS) and time a step.
 
     python benchmarks/chat.py --base runs/demo --data data/stdlib [--steps 150] [--seeds 1337,1338]
-                              [--requests 64] [--rank 8] [--out runs/chat-bench] [--json OUT.json]
+                              [--requests 64] [--rank 8] [--lora-lrs 3e-3,1e-2] [--out runs/chat-bench]
+                              [--json OUT.json]
 
 Each run is its own `gptforge train` process; nothing else should run on the machine for the timings."""
 
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1337,1338")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lora-lr", type=float, default=3e-3)
+    parser.add_argument("--lora-lrs", default="3e-3", help="LoRA's AdamW learning rates, one run each per seed")
     parser.add_argument("--out", type=Path, default=Path("runs/chat-bench"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -124,9 +125,11 @@ def main() -> None:
     base_model, tok = base_with_template(args.base)
     results = {"requests": len(requests), "base_share": reply_share(base_model, tok, requests), "runs": []}
     print(f"base: {results['base_share']:.1%} of {len(requests)} replies define the function asked for", flush=True)
-    lora = [f"train.lora_rank={args.rank}", f"optim.lr={args.lora_lr}"]
+    loras = {
+        f"lora{args.rank}-lr{lr}": [f"train.lora_rank={args.rank}", f"optim.lr={lr}"] for lr in args.lora_lrs.split(",")
+    }
     for seed in args.seeds.split(","):
-        for kind, extra in (("full", []), (f"lora{args.rank}", lora)):
+        for kind, extra in {"full": [], **loras}.items():
             run = finetune(args.base, chat_data, args.out / f"{kind}-seed{seed}", seed, args.steps, extra)
             model, tuned_tok, _, _ = load_checkpoint(run["run"])
             run.update(kind=kind, share=reply_share(model, tuned_tok, requests))
