@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
-from gptforge.data.chat import Message, format_chat, with_chat
-from gptforge.data.instructions import defines_function
+from gptforge.data.chat.instructions import defines_function
+from gptforge.data.chat.template import Message, format_chat, with_chat
 from gptforge.demo import prepare_function_conversations
 from gptforge.model.generate import Generation, generate_batch
 from gptforge.model.gpt import GPT

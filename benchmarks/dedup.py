@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gptforge.data import pipeline
-from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint
-from gptforge.data.filters import build_filters
+from gptforge.data.clean.dedup import Deduplicator, DedupSettings, fingerprint
+from gptforge.data.clean.filters import build_filters
 from gptforge.data.languages import parse_extensions
 from gptforge.data.pipeline import Job, judge
 from gptforge.data.prepare import is_validation, prepare

@@ -17,7 +17,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from gptforge.data.filters import build_filters, first_failure
+from gptforge.data.clean.filters import build_filters, first_failure
 from gptforge.data.languages import language_of
 from gptforge.data.sources import stdlib_documents
 

@@ -8,7 +8,7 @@ import torch
 from gptforge.checkpoint import load_checkpoint, write_checkpoint
 from gptforge.cli import main
 from gptforge.config import load_config
-from gptforge.data.chat import Message, format_chat, with_chat
+from gptforge.data.chat.template import Message, format_chat, with_chat
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT

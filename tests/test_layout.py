@@ -26,6 +26,10 @@ LAYERS = [
     {"__main__"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+# Inside data, cleaning decides from a document's text alone: of the rest of data it reads only the table of file
+# types, never the stream (sources, tokenizer, shards, loader), prepare, or chat.
+CLEAN = "gptforge.data.clean"
+CLEAN_MAY_IMPORT = {"gptforge.data", "gptforge.data.languages"}
 MAX_FUNCTION_LINES = 80
 
 
@@ -73,6 +77,21 @@ def test_imports_flow_down_the_stages():
             if mine != theirs and RANK[theirs] >= RANK[mine]:
                 upward.append(f"{module} imports {imported}")
     assert not upward, upward
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_cleaning_reads_nothing_of_data_but_the_file_types():
+    reached = [
+        f"{module} imports {imported}"
+        for module, tree in MODULES.items()
+        if _inside(module, CLEAN)
+        for imported in _imports(module, tree)
+        if _inside(imported, "gptforge.data") and not _inside(imported, CLEAN) and imported not in CLEAN_MAY_IMPORT
+    ]
+    assert not reached, reached
 
 
 def test_no_import_cycles_between_modules():

@@ -11,8 +11,8 @@ from gptforge.files import to_json
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from gptforge.data.chat_prepare import chat_form
-    from gptforge.data.dedup import DedupSettings
+    from gptforge.data.chat.prepare import chat_form
+    from gptforge.data.clean.dedup import DedupSettings
     from gptforge.data.engine import EngineSettings
     from gptforge.data.prepare import prepare, summarize
     from gptforge.data.prepare_settings import PrepareSettings
@@ -52,7 +52,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def _prepare_chat(args: argparse.Namespace, dedup) -> None:
-    from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+    from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 
     why = {
         "--train-tokenizer": (args.train_tokenizer is not None, "fine-tuning keeps the base model's tokenizer"),

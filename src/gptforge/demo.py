@@ -11,10 +11,10 @@ import torch
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
 from gptforge.config import load_config
-from gptforge.data.chat import Message, format_chat
-from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+from gptforge.data.chat.instructions import conversation_rows
+from gptforge.data.chat.prepare import ChatSettings, prepare_chat
+from gptforge.data.chat.template import Message, format_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
-from gptforge.data.instructions import conversation_rows
 from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings

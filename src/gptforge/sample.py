@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
-from gptforge.data.chat import ChatTokenizer, Message, format_chat
+from gptforge.data.chat.template import ChatTokenizer, Message, format_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.model.generate import stream

@@ -4,7 +4,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from gptforge.data.chat import (
+from gptforge.data.chat.template import (
     CHAT_TEMPLATE,
     ConversationError,
     Message,

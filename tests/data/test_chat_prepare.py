@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptforge.data.chat import with_chat
-from gptforge.data.chat_prepare import ChatSettings, prepare_chat, read_mask
+from gptforge.data.chat.prepare import ChatSettings, prepare_chat, read_mask
+from gptforge.data.chat.template import with_chat
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest, read_shard, verify_shard
 from gptforge.data.tokenizer import GPT2Tokenizer

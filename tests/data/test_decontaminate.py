@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from gptforge.data.decontaminate import eval_ngrams, is_contaminated
+from gptforge.data.clean.decontaminate import eval_ngrams, is_contaminated
 
 DOC = " ".join(f"word{i}" for i in range(40))  # distinct words: no run repeats elsewhere in the document
 

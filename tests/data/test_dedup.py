@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint, signature
+from gptforge.data.clean.dedup import Deduplicator, DedupSettings, fingerprint, signature
 
 NEAR = DedupSettings()
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.data.filters import (
+from gptforge.data.clean.filters import (
     CLEAN_MODES,
     FILTER_NAMES,
     CleanSettings,
@@ -227,7 +227,7 @@ def test_repeated_ngrams_count_characters_once_and_skip_first_occurrences():
     # 20 distinct words, then the same 20 again: the second copy (and only it) is covered by repeated 5-grams
     words = [f"word{i:02d}" for i in range(20)]
     text = " ".join(words + words)
-    from gptforge.data.web_rules import _ngram_chars
+    from gptforge.data.clean.web_rules import _ngram_chars
 
     top, dup = _ngram_chars(text)
     assert dup == {n: 20 * 6 for n in range(5, 11)}

@@ -1,6 +1,6 @@
 """Conversations built from documented functions: the request, the reply, and the measure of a reply."""
 
-from gptforge.data.instructions import defines_function, function_tasks
+from gptforge.data.chat.instructions import defines_function, function_tasks
 
 SOURCE = '''
 import functools
@@ -51,7 +51,7 @@ def test_a_reply_counts_when_it_parses_and_defines_the_function_asked_for():
 
 
 def test_conversations_take_their_file_s_split():
-    from gptforge.data.instructions import conversation_rows
+    from gptforge.data.chat.instructions import conversation_rows
     from gptforge.data.pipeline import is_validation
 
     documents = [(f"pkg/m{i}.py", SOURCE) for i in range(40)]

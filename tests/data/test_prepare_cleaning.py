@@ -205,7 +205,7 @@ def test_bad_cleaning_flags_are_one_line_before_any_work(tmp_path, kwargs, messa
 
 
 def test_bad_dedup_numbers_are_one_line(tmp_path):
-    from gptforge.data.dedup import DedupSettings
+    from gptforge.data.clean.dedup import DedupSettings
 
     src = _corpus(tmp_path / "src", n=2)
     for settings, message in [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gptforge.data.chat import Message, format_chat, with_chat
+from gptforge.data.chat.template import Message, format_chat, with_chat
 from gptforge.data.fim import with_fim
 from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.hub.convert import export_hf

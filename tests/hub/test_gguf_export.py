@@ -276,7 +276,7 @@ def test_a_fim_model_s_file_names_its_sentinels_for_llama_cpp_infill(tmp_path):
 
 
 def test_llama_cpp_formats_a_chat_model_s_messages_as_we_do_and_replies_as_ours_greedily(tmp_path):
-    from gptforge.data.chat import Message, format_chat, with_chat
+    from gptforge.data.chat.template import Message, format_chat, with_chat
 
     tok = with_chat(load_tokenizer("gpt2"))
     model = tiny_model(vocab_size=tok.vocab_size)

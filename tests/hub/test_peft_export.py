@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from gptforge.data.chat import with_chat
+from gptforge.data.chat.template import with_chat
 from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf

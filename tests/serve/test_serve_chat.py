@@ -15,7 +15,7 @@ from tests.serve.server import serving
 from gptforge.checkpoint import latest_checkpoint
 from gptforge.cli import main
 from gptforge.config import load_config
-from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.train.trainer import train
 
 pytest.importorskip("uvicorn")

@@ -12,7 +12,7 @@ from tests.train.test_distributed import ENV, TIMEOUT, torchrun
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
 from gptforge.config import load_config
-from gptforge.data.chat_prepare import ChatSettings, prepare_chat
+from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.rundir import read_metrics
 from gptforge.train.trainer import train
 
@@ -48,7 +48,7 @@ def chat_dir(tmp_path_factory):
 
 
 def _no_dedup():
-    from gptforge.data.dedup import DedupSettings
+    from gptforge.data.clean.dedup import DedupSettings
 
     return DedupSettings(mode="none")
 

@@ -34,7 +34,7 @@ from gptforge.checkpoint.save import (
     write_checkpoint,
 )
 from gptforge.config import Config, config_from_dict, lora_spec
-from gptforge.data.chat import model_tokenizer
+from gptforge.data.chat.template import model_tokenizer
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.model.gpt import GPT, GPTConfig

@@ -31,7 +31,7 @@ def build_parser() -> Parser:
 
 def _add_cleaning_flags(s) -> None:
     """prepare's de-duplication and quality filters."""
-    from gptforge.data.dedup import DedupSettings
+    from gptforge.data.clean.dedup import DedupSettings
 
     d = DedupSettings()
     s.add_argument(

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from gptforge.config.sections import PARALLEL, SCHEDULES, Config
-from gptforge.data.chat import TEMPLATE_NAME
+from gptforge.data.chat.template import TEMPLATE_NAME
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.model.lora import TARGETS as LORA_TARGETS

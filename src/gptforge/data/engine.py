@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from gptforge.data import pipeline
-from gptforge.data.dedup import DedupSettings, Fingerprint
-from gptforge.data.filters import Filter
+from gptforge.data.clean.dedup import DedupSettings, Fingerprint
+from gptforge.data.clean.filters import Filter
 from gptforge.data.pipeline import Job, Outcome
 from gptforge.data.sources import documents
 from gptforge.errors import GptforgeError

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from gptforge.data.decontaminate import is_contaminated
-from gptforge.data.dedup import Deduplicator, DedupSettings, fingerprint
-from gptforge.data.filters import Filter, first_failure
+from gptforge.data.clean.decontaminate import is_contaminated
+from gptforge.data.clean.dedup import Deduplicator, DedupSettings, fingerprint
+from gptforge.data.clean.filters import Filter, first_failure
 from gptforge.data.languages import language_of
 from gptforge.data.report import Report
 from gptforge.data.shards import dtype_for_vocab

@@ -22,10 +22,10 @@ import numpy as np
 from tqdm import tqdm
 
 from gptforge.data import pipeline
-from gptforge.data.decontaminate import eval_ngrams
-from gptforge.data.dedup import Deduplicator, DedupSettings
+from gptforge.data.clean.decontaminate import eval_ngrams
+from gptforge.data.clean.dedup import Deduplicator, DedupSettings
+from gptforge.data.clean.filters import build_filters
 from gptforge.data.engine import LOCAL, WORK_DIR, EngineSettings, Share, check_engine, datatrove_outcomes
-from gptforge.data.filters import build_filters
 from gptforge.data.outdir import (
     REPORT_FILE,
     TOKENIZER_FILE,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gptforge.data.dedup import DEDUP_MODES, DedupSettings
-from gptforge.data.filters import CleanSettings, build_filters, clean_settings
+from gptforge.data.clean.dedup import DEDUP_MODES, DedupSettings
+from gptforge.data.clean.filters import CleanSettings, build_filters, clean_settings
 from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
 from gptforge.data.sources import resolve
 from gptforge.data.tokenizer import check_vocab_size

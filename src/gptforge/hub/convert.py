@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
-from gptforge.data.chat import CHAT_TEMPLATE, ChatTokenizer, added_tokens
+from gptforge.data.chat.template import CHAT_TEMPLATE, ChatTokenizer, added_tokens
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, read_text, usual_mode, write_json

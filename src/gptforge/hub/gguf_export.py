@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gptforge.data.chat import CHAT_TEMPLATE, ChatTokenizer, added_tokens
+from gptforge.data.chat.template import CHAT_TEMPLATE, ChatTokenizer, added_tokens
 from gptforge.data.fim import Sentinels
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.checkpoint import Inference, load_for_inference
-from gptforge.data.chat import ChatTokenizer, format_chat
+from gptforge.data.chat.template import ChatTokenizer, format_chat
 from gptforge.data.fim import FIMTokenizer, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.serve.batcher import Batcher

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gptforge.config import Config, lora_spec
-from gptforge.data.chat import TEMPLATE_NAME, ChatTokenizer, with_chat
+from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer, with_chat
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig

@@ -1,9 +1,9 @@
 """`gptforge prepare SOURCE --chat`: JSONL conversations -> token shards, a loss mask beside each, a manifest.
 
-Each row is one conversation, in OpenAI's form or Alpaca's (`data.chat`). A bad row is skipped, counted and named
-(`file:line`) in report.md. Conversations are de-duplicated (exact and MinHash, on their text), decontaminated and
-split whole; a row may name its split (`"split": "val"`), else a stable hash of its text decides. Each conversation
-is followed by EOT (outside the loss), so a loader finds where one ends as in any data folder.
+Each row is one conversation, in OpenAI's form or Alpaca's (`data.chat.template`). A bad row is skipped, counted and
+named (`file:line`) in report.md. Conversations are de-duplicated (exact and MinHash, on their text), decontaminated
+and split whole; a row may name its split (`"split": "val"`), else a stable hash of its text decides. Each
+conversation is followed by EOT (outside the loss), so a loader finds where one ends as in any data folder.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gptforge.data.chat import (
+from gptforge.data.chat.template import (
     CHAT_TEXTS,
     TEMPLATE_NAME,
     ConversationError,
@@ -31,8 +31,8 @@ from gptforge.data.chat import (
     format_chat,
     with_chat,
 )
-from gptforge.data.decontaminate import eval_ngrams, is_contaminated
-from gptforge.data.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
+from gptforge.data.clean.decontaminate import eval_ngrams, is_contaminated
+from gptforge.data.clean.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
 from gptforge.data.pipeline import is_validation
 from gptforge.data.prepare_settings import check_dedup
 from gptforge.data.shards import SPLITS, dtype_for_vocab, write_manifest, write_shard

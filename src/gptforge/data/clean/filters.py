@@ -2,7 +2,7 @@
 
 A Filter keeps a document (its `reason` is None) or says in a few words why it goes; callers count removals
 by filter name, the first failing filter winning. Filters judge only the kinds of document they were made
-for (languages.py): code rules skip prose, web rules skip code, and a document of unknown language (a JSONL
+for (data/languages.py): code rules skip prose, web rules skip code, and a document of unknown language (a JSONL
 record) is judged by every filter of the mode. Filters and settings pickle, for worker processes.
 The rules are in code_rules.py and web_rules.py, each with the source its threshold comes from.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptforge.data import code_rules, web_rules
+from gptforge.data.clean import code_rules, web_rules
 from gptforge.data.languages import kind_of
 from gptforge.errors import GptforgeError
 

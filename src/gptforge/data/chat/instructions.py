@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from gptforge.data.chat import Message
+from gptforge.data.chat.template import Message
 from gptforge.data.pipeline import is_validation
 
 MAX_SOURCE_CHARS = 1500  # a reply must fit the demo's context with its request (~4 characters a token)

@@ -1,0 +1,1 @@
+"""Conversations: the chat template, `prepare --chat`, and instruction data built offline."""

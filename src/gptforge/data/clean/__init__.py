@@ -1,0 +1,1 @@
+"""Cleaning: what decides which documents prepare keeps (quality filters, de-duplication, decontamination)."""
