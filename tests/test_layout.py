@@ -94,6 +94,12 @@ def test_cleaning_reads_nothing_of_data_but_the_file_types():
     assert not reached, reached
 
 
+def test_the_stream_never_imports_chat():
+    stream = [m for m in MODULES if m.count(".") == 2 and _inside(m, "gptforge.data")]  # data/*.py, not its packages
+    reached = [f"{m} imports {i}" for m in stream for i in _imports(m, MODULES[m]) if _inside(i, "gptforge.data.chat")]
+    assert len(stream) > 10 and not reached, reached
+
+
 def test_no_import_cycles_between_modules():
     graph = {m: _imports(m, t) for m, t in MODULES.items()}
     state: dict[str, int] = {}

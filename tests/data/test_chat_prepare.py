@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from gptforge.data.chat.prepare import ChatSettings, prepare_chat, read_mask
+from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.chat.template import with_chat
 from gptforge.data.loader import TokenLoader
-from gptforge.data.shards import read_manifest, read_shard, verify_shard
+from gptforge.data.shards import read_manifest, read_mask, read_shard, verify_shard
 from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.errors import GptforgeError
 

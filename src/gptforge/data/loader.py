@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptforge.data.chat.prepare import read_mask
 from gptforge.data.fim import FIM
-from gptforge.data.shards import read_manifest, read_shard, verify_shard
+from gptforge.data.shards import read_manifest, read_mask, read_shard, verify_shard
 from gptforge.errors import GptforgeError
 
 

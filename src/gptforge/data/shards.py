@@ -7,6 +7,7 @@ version 1 (llm.c's) or uint32 for version 2 (vocabularies over 65,535).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.uint16, 2: np.uint32}
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
+MASK_SUFFIX = ".mask.npy"
 """Present while `gptforge prepare` fills a folder: the folder is unfinished until its manifest is written."""
 SPLITS = ("train", "val")
 
@@ -54,6 +56,25 @@ def read_shard(path: Path, vocab_size: int | None = None) -> np.ndarray:
     if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
         raise GptforgeError(f"{path}: token id {int(tokens.max())} >= vocab size {vocab_size}")
     return tokens
+
+
+def write_mask(path: Path, mask: np.ndarray) -> str:
+    """Write a shard's loss mask (one 0/1 byte per token, `.npy`); returns its sha256."""
+    buffer = io.BytesIO()
+    np.save(buffer, mask.astype(np.uint8), allow_pickle=False)
+    atomic_write(path, buffer.getvalue())
+    return hashlib.sha256(buffer.getvalue()).hexdigest()
+
+
+def read_mask(path: Path, tokens: int) -> np.ndarray:
+    """A shard's loss mask, checked to be one 0/1 byte per token."""
+    try:
+        mask = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise GptforgeError(f"{path}: not a readable loss mask ({e})") from None
+    if mask.dtype != np.uint8 or mask.shape != (tokens,):
+        raise GptforgeError(f"{path}: expected {tokens} uint8 mask values, got {mask.dtype} {mask.shape}")
+    return mask
 
 
 def _read_npy(path: Path) -> np.ndarray:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import io
 import json
 import re
 import shutil
@@ -35,12 +34,11 @@ from gptforge.data.clean.decontaminate import eval_ngrams, is_contaminated
 from gptforge.data.clean.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
 from gptforge.data.pipeline import is_validation
 from gptforge.data.prepare_settings import check_dedup
-from gptforge.data.shards import SPLITS, dtype_for_vocab, write_manifest, write_shard
+from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_manifest, write_mask, write_shard
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, check_output_dir, locked, open_text, reading
 
-MASK_SUFFIX = ".mask.npy"
 SHOWN_BAD_ROWS = 20
 
 
@@ -231,18 +229,14 @@ def _write(
         for n, (start, end) in enumerate(_shard_ranges(part.ids, settings.shard_tokens)):
             name = f"{split}_{n:06d}"
             ids, mask = np.concatenate(part.ids[start:end]).astype(dtype), np.concatenate(part.masks[start:end])
-            buffer = io.BytesIO()
-            np.save(buffer, mask, allow_pickle=False)
-            atomic_write(tmp / f"{name}{MASK_SUFFIX}", buffer.getvalue())
             shard = {
                 "file": f"{name}.bin",
                 "split": split,
                 "tokens": len(ids),
                 "sha256": write_shard(tmp / f"{name}.bin", ids),
             }
-            shard.update(
-                docs=end - start, mask=f"{name}{MASK_SUFFIX}", mask_sha256=hashlib.sha256(buffer.getvalue()).hexdigest()
-            )
+            shard.update(docs=end - start, mask=f"{name}{MASK_SUFFIX}")
+            shard["mask_sha256"] = write_mask(tmp / shard["mask"], mask)
             shards.append(shard)
     tok = {"name": base.name, "vocab_size": base.vocab_size, "eot": base.eot}
     if base.path is not None:
@@ -291,14 +285,3 @@ def _report(source: str, counts: ChatCounts, manifest: dict[str, Any]) -> str:
             lines += ["", f"{title} ({shown}):", ""]
             lines += [f"- {row}" for row in rows[:SHOWN_BAD_ROWS]]
     return "\n".join(lines) + "\n"
-
-
-def read_mask(path: Path, tokens: int) -> np.ndarray:
-    """A shard's loss mask, checked to be one 0/1 byte per token."""
-    try:
-        mask = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise GptforgeError(f"{path}: not a readable loss mask ({e})") from None
-    if mask.dtype != np.uint8 or mask.shape != (tokens,):
-        raise GptforgeError(f"{path}: expected {tokens} uint8 mask values, got {mask.dtype} {mask.shape}")
-    return mask
