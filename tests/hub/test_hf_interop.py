@@ -224,7 +224,8 @@ def test_export_and_import_never_destroy_a_folder(tmp_path, capsys):
         (["export", str(run), "--out", str(tmp_path), "--force"], "which this command reads"),  # a parent of it
         (["import", str(tmp_path / "hf"), "--out", str(tmp_path / "hf"), "--force"], "which this command reads"),
         (["export", str(run), "--out", str(tmp_path / "hf")], "exists and is not empty; pick another folder"),
-        (["import", str(tmp_path / "hf"), "--out", str(run)], "exists and is not empty; pick another folder"),
+        (["import", str(tmp_path / "hf"), "--out", str(run)], "is a gptforge run"),
+        (["import", str(tmp_path / "hf"), "--out", str(run), "--force"], "is a gptforge run"),  # a checkpoint only
     ]
     for args, message in refused:
         assert main(args) == 1

@@ -83,7 +83,8 @@ def export_and_push(model: GPT, tokenizer: Tokenizer, remote: str, branch: str, 
 def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) -> str:
     """`gptforge import`: an HF GPT-2/Llama/Qwen3/Arcee folder as a gptforge checkpoint (no optimizer state,
     step 0); an existing non-empty `out` is replaced (atomically) only with `force`."""
-    check_output_dir(out, force, reads=[hf_dir], is_run=True)  # a checkpoint folder: --force replaces one
+    # --force replaces a checkpoint folder, never a run: a bare checkpoint would take its log and checkpoints' place
+    check_output_dir(out, force, reads=[hf_dir])
     model, tok, precision = import_hf(hf_dir)
     meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}
     cfg = Config(model=model.config)
