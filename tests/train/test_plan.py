@@ -8,6 +8,7 @@ import subprocess
 import pytest
 from tests.helpers import cli
 
+from gptforge.cli import main
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
 from gptforge.train.plan import GIB, Hardware, Memory, check_fits, format_report, hours, memory, plan, report
@@ -103,6 +104,16 @@ def test_an_absurd_time_prints_a_short_figure():
     assert time(0.382).startswith("time: 5.9 h (5.9 GPU-hours) at 38.2% MFU of 989.4 TFLOP/s;")
     assert time(0.001).startswith("time: 2,240.4 h (2,240.4 GPU-hours) at 0.1% MFU")
     assert time(1e-300).startswith("time: 2.24e+300 h (2.24e+300 GPU-hours) at 1e-298% MFU")  # not 301 digits
+    one = load_config("gpt2-124m", ["train.micro_batch=1"])
+    wide = report(one, "gpt2-124m", Hardware(gpus=8, nodes=64))  # 41 s of wall-clock: not "0.0 h"
+    assert format_report(wide).splitlines()[-2].startswith("time: 0.0115 h (5.9 GPU-hours)")
+
+
+@pytest.mark.parametrize("flag", [["--mfu", "5e-324"], ["--mfu", "1e-9"], ["--peak-tflops", "1e308"]])
+def test_the_plan_refuses_a_peak_or_mfu_whose_time_would_not_be_finite(flag, capsys):
+    with pytest.raises(SystemExit) as exit:  # 5e-324: "inf h" (and null in --json); 1e308 TFLOP/s: "0.0 h"
+        main(["plan", *flag])
+    assert exit.value.code == 2 and f"argument {flag[0]}: expected a number in" in capsys.readouterr().err
 
 
 def test_train_refuses_a_micro_batch_its_gpu_cannot_hold_in_one_line():

@@ -218,8 +218,14 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--gpus", type=at_least(1), default=1, help="GPUs per node (default 1)")
     s.add_argument("--nodes", type=at_least(1), default=1, help="nodes (default 1)")
     s.add_argument("--gpu-memory", type=at_least(1.0, float), default=80.0, help="GiB per GPU (default 80)")
-    s.add_argument("--peak-tflops", type=at_least(1.0, float), default=989.4, help="one GPU's peak (H100 bf16)")
-    s.add_argument("--mfu", type=probability, default=0.38, help="share of the peak reached (default 0.38)")
+    # Bounded so that the time stays a finite, non-zero figure: peak x 1e12 overflows past 1e296, and an MFU of 5e-324
+    # makes it infinite.
+    s.add_argument(
+        "--peak-tflops", type=at_least(1.0, float, high=1e6), default=989.4, help="one GPU's peak (H100 bf16)"
+    )
+    s.add_argument(
+        "--mfu", type=at_least(1e-6, float, high=1.0), default=0.38, help="share of the peak reached (default 0.38)"
+    )
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_plan)
 

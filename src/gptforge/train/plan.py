@@ -258,6 +258,6 @@ def format_report(r: dict) -> str:
 
 
 def _hours(h: float) -> str:
-    """Hours with thousands separators, or in powers of ten past a million (an absurd budget or MFU prints a short
-    figure, not hundreds of digits)."""
-    return f"{h:,.1f}" if h < 1e6 else f"{h:.3g}"
+    """Hours with thousands separators, or three significant digits under 0.1 (a minute of 512 GPUs is not "0.0") and
+    in powers of ten past a million (an absurd budget or MFU prints a short figure, not hundreds of digits)."""
+    return f"{h:,.1f}" if 0.1 <= h < 1e6 else f"{h:.3g}"
