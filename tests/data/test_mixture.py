@@ -1,6 +1,7 @@
 """Mixtures of data folders: the proportions in every stretch, per-folder epochs, exact resume, rank-disjoint
 batches independent of how the stream is batched, and the refusals of a bad `data.mix`."""
 
+import json
 import math
 import re
 from fractions import Fraction
@@ -251,3 +252,24 @@ def test_a_mix_of_tokenizers_says_which_tokenizer_to_prepare_again_with(tmp_path
         open_mix(parse_mix([f"{trained}=1", f"{gpt2}=1"]))
     with pytest.raises(GptforgeError, match=re.escape(f"prepare {trained}'s corpus again with --tokenizer gpt2") + "$"):
         open_mix(parse_mix([f"{gpt2}=1", f"{trained}=1"]))
+
+
+def test_a_chat_folder_in_a_mix_keeps_its_loss_mask(data_dir, tmp_path):
+    from gptforge.data.chat.prepare import ChatSettings, prepare_chat
+    from gptforge.data.clean.dedup import DedupSettings
+
+    turns = lambda i: [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]  # noqa: E731
+    rows = [json.dumps({"messages": turns(i)}) for i in range(10)]
+    (tmp_path / "chats.jsonl").write_text("\n".join(rows) + "\n")
+    settings = ChatSettings(val_fraction=0, dedup=DedupSettings(mode="none"))
+    prepare_chat(str(tmp_path / "chats.jsonl"), tmp_path / "chat", settings)
+    alone = MixtureLoader(parse_mix([f"{tmp_path / 'chat'}=1"]), "train", 2, 16, seed=3)
+    plain = TokenLoader(tmp_path / "chat", "train", 2, 16, seed=3)
+    for _ in range(6):  # the mix served every token as a target, the user's turns and the padding too
+        x, y = alone.next_batch()
+        px, py = plain.next_batch()
+        assert torch.equal(x, px) and torch.equal(y, py) and (y == -1).any()
+    both = MixtureLoader(parse_mix([f"{tmp_path / 'chat'}=1", f"{data_dir}=1"]), "train", 2, 16, seed=3)
+    for _ in range(3):  # the stream alternates: a chat window with its mask, a text window whole
+        x, y = both.next_batch()
+        assert (y[0] == -1).any() and torch.equal(y[1], torch.cat([x[1, 1:], y[1, -1:]]))

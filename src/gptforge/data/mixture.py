@@ -162,14 +162,19 @@ class MixtureLoader:
         return int(self._orders[i][1][k]), epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next (x, y), both (B, T) int64: its block of the stream's next B*world windows."""
+        """This rank's next (x, y), both (B, T) int64: its block of the stream's next B*world windows; a chat
+        folder's targets are -1 outside the replies, as its `TokenLoader` serves them."""
         picks = [self.schedule.next() for _ in range(self.B * self.world)]
         windows = [(i, self._next_window(i)) for i in picks]  # every rank advances every source alike
         for loader in self.loaders:
             loader.verifier.check()
         mine = windows[self.rank * self.B : (self.rank + 1) * self.B]
-        buf = torch.from_numpy(np.stack([self.loaders[i].served(*w) for i, w in mine]).astype(np.int64))
-        return buf[:, :-1], buf[:, 1:]
+        rows = [self.loaders[i].served(*w).astype(np.int64) for i, w in mine]
+        targets = [
+            row[1:] if self.loaders[i].masks is None else self.loaders[i].chat_targets(w[0], row)
+            for (i, w), row in zip(mine, rows, strict=True)
+        ]
+        return torch.from_numpy(np.stack(rows)[:, :-1]), torch.from_numpy(np.stack(targets))
 
     def verify(self) -> None:
         """Wait until every shard of every source is checked; raise on a mismatch."""
