@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import sys
@@ -67,8 +68,15 @@ def _coerce(value: Any, typ: type, where: str, parse: bool) -> Any:
 
 
 def _section_types(section: Any) -> dict[str, type]:
-    hints = typing.get_type_hints(type(section))
-    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+    return _field_types(type(section))
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, type]:
+    """A dataclass's field types, resolved once: resolving them is most of a checkpoint's check (serve checks
+    each request's)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 # Keys that moved to the section that uses them; the old spelling still works (presets, --set, old checkpoints).

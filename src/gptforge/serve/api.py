@@ -4,7 +4,6 @@ as server-sent events; llama.cpp's POST /infill."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import secrets
@@ -20,6 +19,7 @@ from starlette.routing import Route
 from gptforge.files import to_json
 from gptforge.serve.engine import Engine
 from gptforge.serve.jobs import Done, Event, Failed, Finish, Job, Started, Text
+from gptforge.serve.mailbox import mailbox
 from gptforge.serve.protocol import (
     CHAT,
     COMPLETION,
@@ -159,12 +159,11 @@ async def _events(engine: Engine, req: CompletionRequest, request: Request) -> A
     """The worker's events for one admitted request; the client going away (or this generator being closed)
     tells the worker to stop at its next token."""
     engine.admit()
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    box, queue = mailbox(asyncio.get_running_loop()), asyncio.Queue()
 
     def emit(event: Event) -> None:
         if not job.cancel.is_set():
-            with contextlib.suppress(RuntimeError):  # the loop closed: the server is shutting down
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+            box.post(queue, event)
 
     job = Job(req, emit, time.monotonic() + engine.limits.request_timeout)
     threading.Thread(target=engine.work, args=(job,), daemon=True).start()

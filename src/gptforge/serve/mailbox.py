@@ -1,0 +1,48 @@
+"""Worker threads' events handed to the event loop in bursts: one wake-up of the loop per burst rather than one per
+token of every request (each wake-up is a socket write and a thread switch, which set a small model's pace)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+
+class Mailbox:
+    """Events for the queues of one event loop; `post` may be called from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: deque[tuple[asyncio.Queue, Any]] = deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def post(self, queue: asyncio.Queue, event: Any) -> None:
+        """Deliver `event` to `queue` on the loop, after every event posted before it."""
+        self.pending.append((queue, event))
+        with self.lock:
+            if self.scheduled:  # a delivery is on its way and will take this event too
+                return
+            self.scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is shutting down
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            self.scheduled = False  # an event posted from now on schedules another delivery
+        while self.pending:
+            queue, event = self.pending.popleft()
+            queue.put_nowait(event)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The loop's one mailbox (made on the loop's thread, at its first request)."""
+    if loop not in _MAILBOXES:
+        _MAILBOXES[loop] = Mailbox(loop)
+    return _MAILBOXES[loop]
