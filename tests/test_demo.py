@@ -97,7 +97,7 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     from tests.train.test_finetune import base_config
 
     import gptforge.demo
-    from gptforge.checkpoint import load_checkpoint
+    from gptforge.checkpoint import latest_checkpoint, load_checkpoint
     from gptforge.data.prepare import prepare
     from gptforge.data.prepare_settings import PrepareSettings
     from gptforge.data.shards import read_manifest
@@ -131,5 +131,14 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["replies"]) == 2 and summary["replies"][0]["request"].startswith("Write a Python function")
     capsys.readouterr()
+    base_checkpoint = latest_checkpoint(base)
+    args[args.index("--base") + 1] = str(base_checkpoint)  # a checkpoint folder is a base too
     assert main([*args, "--force", *sum((["--set", s] for s in [*tiny, "train.max_steps=1"]), [])]) == 0  # rerun
     assert load_checkpoint(out)[3]["step"] == 1
+    assert json.loads((out / "summary.json").read_text())["base"] == str(base_checkpoint)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    args[args.index("--base") + 1] = str(tmp_path / "notes")
+    assert main([*args, "--force"]) == 1
+    assert capsys.readouterr().err.startswith(f"gptforge demo: error: --base {tmp_path / 'notes'}: exists and is not")
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gptforge.checkpoint import latest_checkpoint, load_checkpoint
+from gptforge.checkpoint import META, latest_checkpoint, load_checkpoint, resolve_checkpoint
 from gptforge.config import load_config
 from gptforge.data.chat.instructions import conversation_rows
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
@@ -123,16 +123,14 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     base_dir, data_dir, out_dir = Path(base), Path(data), Path(out)
     chat_data = data_dir.with_name(f"{data_dir.name}-chat")
     check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir], is_run=True)
-    if latest_checkpoint(base_dir) is None:
-        print(f"no trained model in {base_dir}: training the demo's first", flush=True)
-        run_demo(str(base_dir), str(data_dir), None, [])
+    base_checkpoint = _base_checkpoint(base_dir, data_dir)
     if not (data_dir / TOKENIZER_FILE).is_file():
         raise GptforgeError(
             f"--data {data_dir}: no {TOKENIZER_FILE}; the demo's data (prepared with its own BPE) is what --base reads"
         )
     rows_file = prepare_function_conversations(data_dir, chat_data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
-    start = [f"data.path={chat_data}", f"train.init_from={latest_checkpoint(base_dir)}"]
+    start = [f"data.path={chat_data}", f"train.init_from={base_checkpoint}"]
     cfg = load_config(CHAT_PRESET, [*overrides, *budget, *start])
     with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
         result = train(cfg, run_dir)
@@ -148,12 +146,22 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
         reply = tok.decode(generate(model, prompt, 160, temperature=0.2, top_k=50, eot=tok.im_end, generator=g)[0])
         replies.append({"request": request, "reply": reply})
         print(f"user> {request}\nassistant> {reply}\n")
-    summary = {"base": str(latest_checkpoint(base_dir)), "checkpoint": str(checkpoint), "steps": result.steps}
+    summary = {"base": str(base_checkpoint), "checkpoint": str(checkpoint), "steps": result.steps}
     summary.update(before=result.first_val, after=result.last_val, replies=replies)
     write_json(out_dir / "summary.json", summary)
     print(f"replies' validation loss: {result.first_val['loss']:.4f} before, {result.last_val['loss']:.4f} after")
     print(f"wrote {checkpoint}; talk with it: gptforge chat {shlex.quote(str(out_dir))}")
     return summary
+
+
+def _base_checkpoint(base_dir: Path, data_dir: Path) -> Path:
+    """--base: a checkpoint folder, a run (its newest intact checkpoint), or a new folder the demo's model is
+    trained into first."""
+    if not (base_dir / META).exists() and latest_checkpoint(base_dir) is None:
+        check_output_dir(base_dir, force=False, flag="--base", is_run=True)  # never train over the user's files
+        print(f"no trained model in {base_dir}: training the demo's first", flush=True)
+        run_demo(str(base_dir), str(data_dir), None, [])
+    return resolve_checkpoint(base_dir)
 
 
 def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
