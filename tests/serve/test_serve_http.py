@@ -208,6 +208,24 @@ def test_a_request_with_both_content_length_and_chunked_is_400_and_its_connectio
     assert json.loads(rest)["error"]["code"] == "ambiguous_length" and data.count(b"HTTP/1.1") == 1, data
 
 
+@pytest.mark.parametrize(
+    "request_",
+    [
+        b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nNo colon here\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ten\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    ],
+)
+def test_a_request_that_is_not_http_is_a_400_in_openai_form(bare, request_):
+    """uvicorn answered these in plain text ("Invalid HTTP request received.")."""
+    with connect(bare) as sock:
+        sock.sendall(request_)
+        status, _, body = until_closed(sock).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"connection: close" in status.lower(), status
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
 def test_the_real_server_checks_the_host_and_a_keep_alive_client_is_served(bare):
     with httpx.Client(timeout=PATIENCE) as client:
         for _ in range(2):  # one connection, kept alive past READ_TIMEOUT between requests
@@ -219,23 +237,45 @@ def test_the_real_server_checks_the_host_and_a_keep_alive_client_is_served(bare)
 
 
 def test_sigterm_ends_an_open_stream_with_done_and_the_server_exits_0(runs_dir, tmp_path):
+    """...and a request whose body is still arriving is answered 503 at once: it held the shutdown for uvicorn's
+    grace period, then was cancelled with a traceback in the log and a plain-text 500."""
     with server_process(runs_dir, "--max-tokens", 100_000, log=tmp_path / "serve.log") as (url, server):
         body = {"model": "alpha", "prompt": "def", "max_tokens": 100_000, "n": 2, "seed": 0, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r, connect(url) as sending:
+            sending.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+            sending.sendall(b'Content-Length: 100\r\n\r\n{"mod')
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")  # generating now: minutes of work unless stopped
             server.send_signal(signal.SIGTERM)
             start = time.monotonic()
             events = [line.removeprefix("data: ") for line in lines if line]
+            status, _, answer = until_closed(sending).partition(b"\r\n\r\n")
         ended = time.monotonic()
         assert server.wait(timeout=30) == 0, (tmp_path / "serve.log").read_text()
         took, exiting = time.monotonic() - start, time.monotonic() - ended
     assert events[-1] == "[DONE]" and took < 30, events[-3:]
+    assert status.startswith(b"HTTP/1.1 503 ") and json.loads(answer)["error"]["code"] == "server_shutting_down"
     assert exiting < 2.0  # idle by then: was 4-5 s on a busy machine, the interpreter collecting torch's objects
     log = (tmp_path / "serve.log").read_text()
     assert "gptforge serve: shutting down (1 request in flight)\n" in log and log.endswith("gptforge serve: stopped\n")
     finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
     assert finishes == ["length", "length"]
+
+
+def test_a_bad_chunk_after_the_answer_and_a_second_ctrl_c_leave_no_traceback(runs_dir, tmp_path):
+    """A chunk h11 cannot parse after the response had gone out failed to send a 400 (a traceback); uvicorn's second
+    SIGINT skips the app's shutdown, and its lifespan task, cancelled at exit, logged a traceback."""
+    with server_process(runs_dir, log=tmp_path / "serve.log") as (url, server), connect(url) as sock:
+        sock.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert sock.recv(12) == b"HTTP/1.1 200"
+        sock.sendall(b"zz\r\n")
+        until_closed(sock)
+        server.send_signal(signal.SIGINT)
+        time.sleep(0.05)  # two signals at once are delivered as one; this one comes while it shuts down
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=30)
+    log = (tmp_path / "serve.log").read_text()
+    assert code == 130 and "Traceback" not in log and log.endswith("interrupted\n"), log
 
 
 def test_a_request_still_waiting_at_shutdown_is_answered_503(runs_dir):

@@ -6,13 +6,16 @@ import contextlib
 import functools
 import gc
 import hmac
+import http
 import ipaddress
+import json
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import h11
 import torch
 import uvicorn
 from starlette.applications import Starlette
@@ -243,6 +246,7 @@ def serve(
     config = uvicorn.Config(
         app,
         http=functools.partial(BoundedH11, read_timeout=limits.read_timeout),
+        lifespan="off",  # nothing to start or stop; a second Ctrl-C skips its stop, and its task logged a traceback
         ws="none",  # no route takes a WebSocket (and an upgraded connection would keep BoundedH11's timer)
         log_level="warning",
         access_log=False,
@@ -287,7 +291,7 @@ class Server(uvicorn.Server):
 class BoundedH11(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with a time limit on a request's head: its own keep-alive timer starts again
     with every byte, so a client sending half a head and then nothing (or a byte a minute) held its connection
-    for ever. The body has its limit in api._json_body."""
+    for ever. The body has its limit in api._json_body. What uvicorn answers itself is in OpenAI's form."""
 
     def __init__(self, *args, read_timeout: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -309,6 +313,33 @@ class BoundedH11(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a malformed head or chunk), answered in OpenAI's form, not as plain text."""
+        self._answer(ApiError(400, f"{msg} (not HTTP/1.1 as RFC 9112 frames it)", None, "invalid_http_request"))
+
+    def shutdown(self) -> None:
+        """A request whose body is still arriving is answered 503 now: it held the shutdown for uvicorn's whole grace
+        period, then was cancelled with a traceback in the log and a plain-text 500 to the client."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_started or self.conn.their_state is not h11.SEND_BODY:
+            super().shutdown()
+            return
+        cycle.disconnected = True  # the app's next receive() says so: it stops reading and answers no one
+        cycle.message_event.set()
+        self._answer(ApiError(503, "the server is shutting down; retry later", None, "server_shutting_down"))
+
+    def _answer(self, error: ApiError) -> None:
+        """Send `error` as the whole response (unless one was sent: a bad chunk after a GET's answer), then close."""
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        reason = http.HTTPStatus(error.status).phrase.encode()
+        response = h11.Response(status_code=error.status, headers=[*headers, (b"connection", b"close")], reason=reason)
+        with contextlib.suppress(h11.LocalProtocolError):  # a response went out already: closing is all that is left
+            self.transport.write(
+                b"".join(self.conn.send(e) for e in (response, h11.Data(data=body), h11.EndOfMessage()))
+            )
+        self.transport.close()
 
     def _wait_for_head(self) -> None:
         self._stop_timer()
