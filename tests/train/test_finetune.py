@@ -168,3 +168,17 @@ def test_a_chat_model_stays_one_on_plain_data_and_lora_values_are_checked():
     for bad, says in (("train.lora_dropout=1", r"in \[0, 1\)"), ("train.lora_rank=-1", r"in \[0, 4096\]")):
         with pytest.raises(GptforgeError, match=f"{bad.split('=')[0]}=.*{says}"):
             load_config("tiny", [*lora, bad])
+
+
+def test_a_lora_rank_past_the_layers_width_and_an_overflowing_alpha_are_refused():
+    from gptforge.errors import GptforgeError
+    from gptforge.model.gpt import GPT
+    from gptforge.train.finetune import adapt
+
+    lora = ["train.init_from=base", "train.lora_rank=33"]  # the tiny model is 32 wide
+    with pytest.raises(GptforgeError, match=r"train.lora_rank=33: past the width of .*use at most 32"):
+        adapt(GPT(load_config("tiny").model), load_config("tiny", lora))
+    full = load_config("tiny", [*lora, "train.lora_rank=32"])
+    assert adapt(GPT(full.model), full).startswith("LoRA: rank 32 ")
+    with pytest.raises(GptforgeError, match=r"train.lora_alpha=1e\+300 \(expected in \(0, 65536\]\)"):
+        load_config("tiny", [*lora, "train.lora_alpha=1e300"])  # alpha / rank overflowed: every step skipped

@@ -76,7 +76,8 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.peak_flops": _at_least(0),
     "train.threads": _at_least(0),
     "train.lora_rank": _within(0, 2**12, high_ok=True),
-    "train.lora_alpha": _POSITIVE,
+    # alpha / rank scales every update: past 2**16 it overflows (1e300: every step non-finite and skipped)
+    "train.lora_alpha": ((lambda v: 0 < v <= 2**16), "in (0, 65536]"),
     "train.lora_dropout": _within(0, 1),
     "train.lora_targets": (
         (lambda v: bool(v) and set(v.split(",")) <= set(LORA_TARGETS)),

@@ -13,7 +13,7 @@ from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer, with_chat
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
-from gptforge.model.lora import apply_lora
+from gptforge.model.lora import LoRASpec, apply_lora
 
 NEW_ROWS_SEED = 0x5F7  # the embedding rows a fine-tuning adds (the template's tokens) start the same on every rank
 
@@ -75,6 +75,7 @@ def adapt(model: GPT, cfg: Config) -> str | None:
     spec = lora_spec(cfg.train)
     if spec is None:
         return None
+    check_rank(model, spec)
     names = apply_lora(model, spec)  # train.lora_targets names layers every GPT has (checked at load)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -82,3 +83,16 @@ def adapt(model: GPT, cfg: Config) -> str | None:
         f"LoRA: rank {spec.rank} (alpha {spec.alpha:g}) on {len(names)} layers; {trainable:,} trainable parameters "
         f"of {total:,} ({trainable / total:.2%}), the rest frozen"
     )
+
+
+def check_rank(model: GPT, spec: LoRASpec) -> None:
+    """Refuse a rank past a targeted layer's min(in, out): B A is already full rank there, so the rank adds
+    trainable parameters (more than the layer's own at 2x) and no capacity."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(spec.targets)]
+    name, narrowest = min(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
+    width = min(narrowest.in_features, narrowest.out_features)
+    if spec.rank > width:
+        raise GptforgeError(
+            f"train.lora_rank={spec.rank}: past the width of {name} ({narrowest.in_features} -> "
+            f"{narrowest.out_features}), where a rank of {width} is already a full-rank update; use at most {width}"
+        )
