@@ -99,10 +99,12 @@ def test_new_tokens_past_the_padding_get_fresh_rows_and_a_tied_table_stays_one()
 
 def test_a_lora_run_resumes_exactly(chat_dir, base, tmp_path):
     settings = ("train.lora_rank=4", "train.max_steps=4", "checkpoint.every=2", "model.dropout=0.1")
-    train(tune(chat_dir, base, *settings, "train.lora_dropout=0.1"), tmp_path / "a")
+    own_base = shutil.copytree(base, tmp_path / "base")
+    train(tune(chat_dir, own_base, *settings, "train.lora_dropout=0.1"), tmp_path / "a")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000004")
-    train(tune(chat_dir, base, *settings, "train.lora_dropout=0.1"), tmp_path / "b", resume="auto")
+    shutil.rmtree(own_base)  # a resume needs its own checkpoint alone: the base may be gone by then
+    train(tune(chat_dir, own_base, *settings, "train.lora_dropout=0.1"), tmp_path / "b", resume="auto")
     assert [r["step"] for r in read_metrics(tmp_path / "b", kinds=("resume",))["resume"]] == [2]
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert a[3] == b[3] and a[4] == b[4]

@@ -149,21 +149,26 @@ def sample_prompt(manifests: list[dict[str, Any]]) -> str:
     return PROMPTS.get(main, "")
 
 
-def resolve_config(cfg: Config, data: Data) -> tuple[Config, dict[str, torch.Tensor] | None]:
+def resolve_config(
+    cfg: Config, data: Data, resume_from: Path | None = None
+) -> tuple[Config, dict[str, torch.Tensor] | None]:
     """The config the run trains with, and `train.init_from`'s weights if any; `cfg` itself is left unchanged.
 
     The data decides the vocabulary and an "auto" sample prompt; an init_from checkpoint decides the architecture
     (RUN_OWN_MODEL_KEYS stay the run's own, as nanoGPT keeps its dropout).
     """
     model_cfg, weights, tokenizer, init_cfg = cfg.model, None, data.tokenizer, None
-    if cfg.train.init_from:
+    execution = {key: getattr(cfg.model, key) for key in RUN_OWN_MODEL_KEYS}
+    if cfg.train.init_from and resume_from is not None:  # its checkpoint holds every weight: the base may be gone
+        init_cfg = config_from_dict(read_meta(resume_from)["config"])
+        model_cfg = dataclasses.replace(init_cfg.model, **execution)
+    elif cfg.train.init_from:
         init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
         if not same_tokenizer(init_tok, tokenizer):
             raise GptforgeError(
                 f"train.init_from={cfg.train.init_from}: its tokenizer ({init_tok.name}, {init_tok.vocab_size}) "
                 f"differs from the data's ({tokenizer.name}, {tokenizer.vocab_size}); prepare the data with it"
             )
-        execution = {key: getattr(cfg.model, key) for key in RUN_OWN_MODEL_KEYS}
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
     template = chat_template(cfg, data.manifests, init_cfg)  # a chat model stays one
     check_fim(cfg, init_cfg, template)

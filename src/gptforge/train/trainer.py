@@ -156,8 +156,9 @@ def _set_up(
     result of a resumed run with nothing left to train."""
     print0 = functools.partial(distributed.print0, env)
     data = open_data(cfg)
-    cfg, init_weights = resolve_config(cfg, data)
-    resume_from = _claim(run_dir, resume, data.folders, env, cleanup)
+    resume_from = find_resume(run_dir, resume)
+    cfg, init_weights = resolve_config(cfg, data, resume_from)
+    _claim(run_dir, resume_from, data.folders, env, cleanup)
     cfg = resolve_precision(cfg, device, env, resume_from)
     s = build(cfg, env, device, init_weights)
     print0(run_header(cfg, s, data.tokenizer.name, env.world_size))
@@ -281,14 +282,12 @@ def _step_line(state: TrainState, budget: TimeBudget, pace: float, stats: StepSt
 
 
 def _claim(
-    run_dir: Path, resume: str | None, data: list[str], env: distributed.DistEnv, cleanup: contextlib.ExitStack
-) -> Path | None:
-    """Refuse a folder that is not this run's, then lock it for the run's life (rank 0); the checkpoint to resume."""
-    resume_from = find_resume(run_dir, resume)
+    run_dir: Path, resume_from: Path | None, data: list[str], env: distributed.DistEnv, cleanup: contextlib.ExitStack
+) -> None:
+    """Refuse a folder that is not this run's, then lock it for the run's life (rank 0)."""
     claim_run_dir(run_dir, resume_from, data)  # before the lock creates anything
     if env.is_main:  # one holder per run folder; the OS frees it if this process dies
         cleanup.enter_context(locked(run_dir, "train"))
-    return resume_from
 
 
 def _open_metrics(cfg: Config, run_dir: Path, env: distributed.DistEnv) -> MetricsLog | NullLog:
