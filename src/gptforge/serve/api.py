@@ -55,7 +55,9 @@ def no_route(request: Request, exc: HTTPException) -> Response:
 
 
 def routes(engine: Engine) -> list[Route]:
-    async def list_models(request: Request) -> Response:
+    def list_models(request: Request) -> Response:
+        """A plain function, which Starlette runs on its thread pool: the checkpoints' files it reads (a slow disk,
+        a FIFO that never opens) do not hold up every other client."""
         try:
             return JSONResponse({"object": "list", "data": engine.models()})
         except ApiError as e:  # the served folder is gone
