@@ -63,6 +63,8 @@ def test_the_limits_are_accepted_up_to_their_value_and_refused_past_it_naming_th
         ({"presence_penalty": False}, "presence_penalty"),  # False == 0 in Python
         ({"stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),  # was read as true
         ({"stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
+        ({"stream_options": []}, "stream_options"),  # falsy: was read as no options
+        ({"stream_options": False}, "stream_options"),
     ],
 )
 def test_values_that_used_to_raise_or_to_pass_unchecked_are_400s_naming_the_argument(args, param):

@@ -136,7 +136,8 @@ def _check_arguments(body: Any, known: set[str]) -> None:
 
 
 def _include_usage(body: dict) -> bool:
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
     return _flag(options, "include_usage", "stream_options.include_usage")
