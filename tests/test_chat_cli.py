@@ -122,3 +122,23 @@ def test_blank_lines_are_not_messages_and_a_system_message_that_fills_the_contex
     assert len(sent.calls) == 1  # only the opening's measure: no blank line was sent
     with pytest.raises(GptforgeError, match="^--system: "):
         chat_session(str(chat_ckpt), ChatSettings(system="word " * 40), read=lambda p: "/exit", write=print)
+
+
+def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on_from_what_was_shown(chat_ckpt, monkeypatch):
+    """Ctrl-C mid-reply ended the whole chat, its `interrupted` on the reply's line."""
+    said, lines, pieces = [], iter(["hi", "and you?", "/exit"]), []
+
+    def write(*args, end="\n", **kwargs):
+        text = args[0] if args else ""
+        if end == "" and text != " (stopped)":
+            pieces.append(text)
+            if len(pieces) == 2:  # the first reply's second piece: the user presses Ctrl-C
+                raise KeyboardInterrupt
+        said.append(text + end)
+
+    monkeypatch.setattr("gptforge.sample.format_chat", spy := SpyFormat(format_chat))
+    settings = ChatSettings(temperature=0.0, max_new_tokens=6)
+    chat_session(str(chat_ckpt), settings, read=lambda prompt: next(lines), write=write)
+    assert said[1:4] == [pieces[0], " (stopped)", "\n"]
+    sent = [(m.role, m.content) for m in spy.calls[-1]]
+    assert sent == [("user", "hi"), ("assistant", pieces[0]), ("user", "and you?")]

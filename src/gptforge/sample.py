@@ -128,8 +128,8 @@ def chat_session(
     checkpoint: str, settings: ChatSettings, read=input, write=print, device: str = "auto", dtype: str = "auto"
 ) -> None:
     """`gptforge chat`: a conversation in the terminal. Each line is the user's message and the reply streams as
-    it comes; /reset forgets the conversation, /exit or end of input ends it. The oldest turns leave the context
-    first (a system message stays)."""
+    it comes (Ctrl-C stops it); /reset forgets the conversation, /exit or end of input ends it. The oldest turns
+    leave the context first (a system message stays)."""
     run = load_for_inference(checkpoint, device, dtype)
     check_chat_model(run, checkpoint)
     block, budget = run.model.config.block_size, settings.max_new_tokens
@@ -163,11 +163,14 @@ def chat_session(
             continue
         turns = kept
         reply = []
-        for piece in reply_pieces(run, ids, (min(budget, block - len(ids)), *steps[1:])):
-            reply.append(piece)
-            write(piece, end="", flush=True)
+        try:
+            for piece in reply_pieces(run, ids, (min(budget, block - len(ids)), *steps[1:])):
+                write(piece, end="", flush=True)
+                reply.append(piece)
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, not the conversation (it ended it, mid-line)
+            write(" (stopped)", end="")
         write("")
-        turns.append(Message("assistant", "".join(reply)))
+        turns.append(Message("assistant", "".join(reply)))  # what was shown, as the conversation goes on from it
 
 
 def _fit(run: Inference, system: list[Message], turns: list[Message], room: int) -> tuple[list[int] | None, list]:
