@@ -44,6 +44,10 @@ def test_bad_preset_file(tmp_path):
         load_config(str(bad))
     with pytest.raises(GptforgeError, match="unknown preset"):
         load_config("no-such-preset")
+    with pytest.raises(GptforgeError, match=r"--config /dev/null: not a regular file \(expected a \.toml file\)"):
+        load_config("/dev/null")  # it exists: "no such file" said otherwise
+    with pytest.raises(GptforgeError, match=r"--config missing\.toml: no such file"):
+        load_config("missing.toml")
 
 
 @pytest.mark.parametrize("name", preset_names())

@@ -193,6 +193,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         for flag in ("push", "branch", "message", "gguf_type"):
             if getattr(args, flag):
                 raise GptforgeError(f"--{flag.replace('_', '-')}: not with --format peft")
+        _refuse_gguf_name(args.out)  # a PEFT folder is a Hugging Face one
         print(export_adapter(args.checkpoint, args.out, args.force))
         return
     if args.format == "gguf":
@@ -203,10 +204,14 @@ def cmd_export(args: argparse.Namespace) -> None:
         return
     if args.gguf_type:
         raise GptforgeError(f"--gguf-type {args.gguf_type}: only with --format gguf")
-    if Path(args.out).suffix.lower() == ".gguf":
-        raise GptforgeError(f"--out {args.out}: a .gguf name for a Hugging Face folder; add --format gguf")
+    _refuse_gguf_name(args.out)
     for line in export_checkpoint(args.checkpoint, args.out, args.push, args.branch, args.message, args.force):
         print(line)
+
+
+def _refuse_gguf_name(out: str) -> None:
+    if Path(out).suffix.lower() == ".gguf":
+        raise GptforgeError(f"--out {out}: a .gguf name for a Hugging Face folder; add --format gguf")
 
 
 def cmd_import(args: argparse.Namespace) -> None:

@@ -64,3 +64,10 @@ def test_an_adapter_of_the_modern_block_or_a_run_without_one_is_refused(tmp_path
     with pytest.raises(GptforgeError, match="no adapters"):
         export_peft(plain, tok, SPEC, tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_peft_folder_named_like_a_gguf_file_is_refused(tmp_path, capsys):
+    from gptforge.cli import main
+
+    assert main(["export", str(tmp_path / "run"), "--format", "peft", "--out", str(tmp_path / "a.gguf")]) == 1
+    assert "a.gguf: a .gguf name for a Hugging Face folder; add --format gguf" in capsys.readouterr().err

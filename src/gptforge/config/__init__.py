@@ -107,7 +107,8 @@ def preset_path(name: str, flag: str = "--config") -> Path:
     path = Path(name)
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
-            raise GptforgeError(f"{flag} {name}: no such file")
+            what = "not a regular file (expected a .toml file)" if path.exists() else "no such file"
+            raise GptforgeError(f"{flag} {name}: {what}")
         return path
     shipped = resources.files("gptforge") / "configs" / f"{name}.toml"
     if not shipped.is_file():
