@@ -54,6 +54,14 @@ def test_swap_dir_puts_the_new_folder_in_place_of_the_old(tmp_path):
     swap_dir(tmp, final)
     assert [p.name for p in final.iterdir()] == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    link = tmp_path / "link"  # export --force onto a link to a folder: rmtree refused the link after the swap
+    link.symlink_to(final)
+    tmp = temp_dir_for(link)
+    (tmp / "newer.txt").write_text("newer")
+    swap_dir(tmp, link)
+    assert [p.name for p in link.iterdir()] == ["newer.txt"] and not link.is_symlink()
+    assert [p.name for p in final.iterdir()] == ["new.txt"]  # the folder it pointed to is left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model"]
 
 
 def test_building_dir_keeps_the_old_folder_when_building_fails(tmp_path):

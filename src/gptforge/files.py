@@ -118,7 +118,7 @@ def swap_dir(tmp: Path, final: Path) -> Path:
         old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
         final.rename(old)
         tmp.rename(final)
-        shutil.rmtree(old)
+        old.unlink() if old.is_symlink() else shutil.rmtree(old)  # a link is replaced, what it points to kept
     else:
         tmp.rename(final)
     return final
