@@ -27,6 +27,7 @@ def test_precedence_defaults_preset_overrides():
         ("train.max_steps=ten", "train.max_steps: expected int, got 'ten'"),
         ("train.compile=maybe", "train.compile: expected bool"),
         ("optim.lr", "expected section.key=value"),
+        ("train.dist_timeout=1e300", r"train.dist_timeout=1e\+300 \(expected in \(0, 1000000\] seconds"),  # timedelta
     ],
 )
 def test_bad_overrides(override, message):

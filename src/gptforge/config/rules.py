@@ -72,7 +72,8 @@ RULES: dict[str, tuple[Any, str]] = {
     "train.dtype": _one_of("auto", *DTYPE_NAMES),
     "train.batch_ramp_tokens": _at_least(0),
     "train.max_skips": _at_least(1),
-    "train.dist_timeout": _POSITIVE,
+    # timedelta(seconds=1e300) overflows under torchrun; 11 days is already no timeout for a stalled collective
+    "train.dist_timeout": ((lambda v: 0 < v <= 10**6), "in (0, 1000000] seconds"),
     "train.peak_flops": _at_least(0),
     "train.threads": _at_least(0),
     "train.lora_rank": _within(0, 2**12, high_ok=True),
