@@ -93,6 +93,15 @@ def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):
     assert errors[1].startswith(f"gptforge chat: error: {base} is a base model")  # named once
 
 
+def test_sample_chat_with_a_suffix_is_refused_in_one_line(chat_ckpt, capsys):
+    """It was refused as a model "trained without fill-in-the-middle", which a chat model of a FIM base is not."""
+    assert main(["sample", str(chat_ckpt), "--chat", "--suffix", ")", "--prompt", "hi"]) == 1
+    assert (
+        capsys.readouterr().err
+        == "gptforge sample: error: --suffix: not with --chat (a chat reply is an answer, not a gap to fill)\n"
+    )
+
+
 def test_a_full_context_drops_the_oldest_exchange_whole_and_keeps_the_system_message():
     from types import SimpleNamespace
 

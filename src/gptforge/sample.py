@@ -39,6 +39,8 @@ def sample_texts(
     `--- sample N` line, the prompt, its continuation (with `suffix`: the middle, in reverse video on a terminal,
     then the suffix; with `chat`: the reply to the prompt as a user's message) and a newline, for each sample of
     each prompt."""
+    if chat and suffix is not None:  # the flags conflict, whatever the model (its tokenizer is a chat one, not FIM's)
+        raise GptforgeError("--suffix: not with --chat (a chat reply is an answer, not a gap to fill)")
     run = load_for_inference(checkpoint, device, dtype)
     if chat:
         check_chat_model(run, checkpoint, "--chat")
