@@ -105,6 +105,8 @@ def test_a_bad_key_an_unknown_model_a_huge_body_and_bad_json(client, server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{server}/api/runs", timeout=30).status_code == 401  # the page's data needs the key too
+    infill = httpx.post(f"{server}/infill", json={"model": "alpha", "input_prefix": "def"}, timeout=30)
+    assert infill.status_code == 401, infill.text  # llama.cpp's route drove the model without the key
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gamma", prompt="x")
     assert caught.value.body["code"] == "model_not_found"

@@ -271,7 +271,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument(
         "--api-key",
         default=os.environ.get("GPTFORGE_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 and /api (default: $GPTFORGE_API_KEY, unseen by `ps`)",
+        help="require `Authorization: Bearer KEY` on /v1, /api and /infill (default: $GPTFORGE_API_KEY, unseen by ps)",
     )
     s.add_argument("--max-tokens", type=at_least(1), default=1024, help="largest max_tokens a request may ask")
     s.add_argument(

@@ -31,7 +31,7 @@ from gptforge.serve.engine import Engine
 from gptforge.serve.protocol import ApiError, Limits
 from gptforge.serve.runs import check_root, find_sources
 
-GUARDED = ("/v1/", "/api/")  # the page and its static files load without the key; the page then asks for it
+GUARDED = ("/v1/", "/api/", "/infill")  # the page and its static files load without the key; the page then asks for it
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 EVERY_ADDRESS = ("0.0.0.0", "::", "")
 
