@@ -106,6 +106,12 @@ def test_binding_another_address_needs_a_key_and_a_busy_port_is_one_line(runs_di
         assert main(["serve", str(runs_dir), "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"gptforge serve: error: --host 127.0.0.1 --port {port}: cannot listen there"), err
+    if socket.has_ipv6:  # loopback as a URL writes it: was refused as an address others reach, needing a key
+        with socket.create_server(("::1", 0), family=socket.AF_INET6) as busy:
+            port = busy.getsockname()[1]
+            assert main(["serve", str(runs_dir), "--host", "[::1]", "--port", str(port)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"gptforge serve: error: --host ::1 --port {port}: cannot listen there"), err
 
 
 def test_a_device_this_machine_lacks_is_refused_at_start_in_one_line(runs_dir, capsys, monkeypatch):

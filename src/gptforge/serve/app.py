@@ -232,6 +232,8 @@ def serve(
 ) -> None:
     """Serve until Ctrl-C or SIGTERM; prints the address (with the port --port 0 chose) first."""
     root = check_root(path)
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it: [::1] was not loopback
+        host = host[1:-1]
     check_binding(host, api_key)
     resolve_device(device, "--device")  # a device this machine lacks is refused now, not a 503 to every request
     hosts = hosts_for(host, allow_hosts)
