@@ -28,6 +28,7 @@ def _one_of(*names: str) -> tuple[Any, str]:
 
 
 _POSITIVE = ((lambda v: v > 0), "> 0")
+_LEARNING_RATE = ((lambda v: 0 < v <= 1000), "in (0, 1000]")  # torch fails on 1e38 with a float overflow
 # What each checked key allows; every failure is one line naming the key, the value and this.
 # Sizes are bounded far past today's largest models (16k wide, 256k tokens), short of tensors too large to exist:
 # a hand-edited size is one line here, not an allocation failure later.
@@ -46,7 +47,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "model.mlp": _one_of("gelu", "swiglu", "relu2"),
     "model.mlp_hidden": _within(0, 2**20, high_ok=True),
     "model.document_token": _within(-1, 2**24),
-    "optim.lr": _POSITIVE,
+    "optim.lr": _LEARNING_RATE,
     "optim.min_lr_ratio": _within(0, 1, high_ok=True),
     "optim.warmup_steps": _at_least(0),
     "optim.weight_decay": _at_least(0),
@@ -58,7 +59,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.decay_fraction": _within(0, 1, high_ok=True),
     "optim.optimizer": _one_of("adamw", "muon"),
     "train.parallel": _one_of(*PARALLEL),
-    "optim.muon_lr": _POSITIVE,
+    "optim.muon_lr": _LEARNING_RATE,
     "optim.muon_momentum": _within(0, 1),
     "data.fim_rate": _within(0, 1, high_ok=True),
     "data.fim_spm_rate": _within(0, 1, high_ok=True),
@@ -75,7 +76,7 @@ RULES: dict[str, tuple[Any, str]] = {
     # timedelta(seconds=1e300) overflows under torchrun; 11 days is already no timeout for a stalled collective
     "train.dist_timeout": ((lambda v: 0 < v <= 10**6), "in (0, 1000000] seconds"),
     "train.peak_flops": _at_least(0),
-    "train.threads": _at_least(0),
+    "train.threads": _within(0, 1024, high_ok=True),  # torch.set_num_threads(100000) crashes the process
     "train.lora_rank": _within(0, 2**12, high_ok=True),
     # alpha / rank scales every update: past 2**16 it overflows (1e300: every step non-finite and skipped)
     "train.lora_alpha": ((lambda v: 0 < v <= 2**16), "in (0, 65536]"),
@@ -88,7 +89,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "eval.tokens": _at_least(1),
     "eval.hellaswag_limit": _at_least(0),
     "eval.code": _at_least(0),
-    "eval.sample_tokens": _at_least(0),
+    "eval.sample_tokens": _within(0, 2**14, high_ok=True),  # generated at every evaluation: 1e21 never ends
     "checkpoint.every": _at_least(0),
     "checkpoint.keep_last": _at_least(0),
     "checkpoint.milestone_every": _at_least(0),
