@@ -58,9 +58,12 @@ def test_bad_rows_are_skipped_counted_and_named_by_line_and_copies_removed(tmp_p
         "{not json",
         {**GOOD[1], "split": "test"},
     ]
-    src = _write(tmp_path / "chats.jsonl", [GOOD[0], *bad, GOOD[0], GOOD[2]])
+    words = [f"word{i}" for i in range(200)]
+    long = _turns(("user", " ".join(words)), ("assistant", "ok"))
+    near = _turns(("user", " ".join(words[:100] + ["changed"] + words[101:])), ("assistant", "ok"))
+    src = _write(tmp_path / "chats.jsonl", [GOOD[0], *bad, GOOD[0], GOOD[2], long, near])
     manifest = prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
-    assert manifest["splits"]["train"]["docs"] == 2
+    assert manifest["splits"]["train"]["docs"] == 3
     report = (tmp_path / "out" / "report.md").read_text()
     for line, reason in [
         (2, "no assistant turn"),
@@ -72,6 +75,16 @@ def test_bad_rows_are_skipped_counted_and_named_by_line_and_copies_removed(tmp_p
         assert f"chats.jsonl:{line}: {reason}" in report, reason
     assert f"chats.jsonl:7: exact duplicate of {src}:1" in report
     assert "| bad row: messages[i].role | 1 |" in report and "| exact duplicate | 1 |" in report
+    rows = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    assert [(r["document"], r["stage"]) for r in rows] == [
+        *((f"{src}:{line}", "bad row") for line in range(2, 7)),
+        (f"{src}:7", "exact duplicate"),
+        (f"{src}:10", "near duplicate"),
+    ]
+    assert rows[0]["reason"].startswith("no assistant turn")
+    assert (rows[5]["kept"], rows[5]["jaccard"]) == (f"{src}:1", 1.0)
+    assert rows[6]["kept"] == f"{src}:9" and 0.9 < rows[6]["jaccard"] < 1
+    assert "`removed.jsonl` (7 rows)" in report
 
 
 def test_a_file_with_no_usable_row_is_one_line_and_writes_nothing(tmp_path):

@@ -10,7 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptforge.data.clean.dedup import Deduplicator, DedupSettings, fingerprint, signature
+from gptforge.data.clean.dedup import (
+    C_COMMENTED,
+    HASH_COMMENTED,
+    Deduplicator,
+    DedupSettings,
+    fingerprint,
+    jaccard,
+    signature,
+    without_header,
+)
+from gptforge.data.languages import KIND
 
 NEAR = DedupSettings()
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -33,9 +43,9 @@ def change_lines(text: str, fraction: float, seed: int) -> str:
     return "\n".join(lines)
 
 
-def verdicts(texts: list[str], settings: DedupSettings = NEAR) -> list:
+def verdicts(texts: list[str], settings: DedupSettings = NEAR, language: str | None = None) -> list:
     dedup = Deduplicator(settings)
-    return [dedup.check(i, fingerprint(t, settings)) for i, t in enumerate(texts)]
+    return [dedup.check(i, fingerprint(t, settings, language)) for i, t in enumerate(texts)]
 
 
 def test_exact_copies_differing_in_line_endings_and_trailing_space_go_and_the_first_stays():
@@ -110,9 +120,57 @@ def test_python_files_that_differ_only_in_indentation_are_not_near_copies_at_1()
 def test_the_threshold_is_inclusive():
     a = code_file(8, lines=100)
     b = change_lines(a, 0.1, seed=3)
-    estimate = float((signature(a, NEAR) == signature(b, NEAR)).mean())
-    assert verdicts([a, b], DedupSettings(threshold=estimate))[1].similarity == estimate
-    assert verdicts([a, b], DedupSettings(threshold=estimate + 1 / NEAR.hashes))[1] is None
+    exact = jaccard(fingerprint(a, NEAR).shingles, fingerprint(b, NEAR).shingles)
+    assert verdicts([a, b], DedupSettings(threshold=exact))[1].similarity == exact
+    assert verdicts([a, b], DedupSettings(threshold=exact + 1e-9))[1] is None
+
+
+def test_a_candidate_goes_only_when_the_exact_jaccard_of_the_shingles_reaches_the_threshold():
+    """The MinHash estimate proposes, the shingles decide: either way round; a rejected candidate lets the next
+    kept one be tried."""
+    a, c = code_file(6), code_file(9)
+    below, above = change_lines(a, 0.18, seed=6), change_lines(c, 0.12, seed=9)
+    pairs = [(fingerprint(x, NEAR), fingerprint(y, NEAR)) for x, y in ((a, below), (c, above))]
+    (est_below, j_below), (est_above, j_above) = [
+        ((x.signature == y.signature).mean(), jaccard(x.shingles, y.shingles)) for x, y in pairs
+    ]
+    assert est_below >= 0.7 > j_below and j_above >= 0.7 > est_above  # estimated 0.71, exact 0.63; 0.70 and 0.74
+    assert verdicts([a, below]) == [None, None]
+    removed = verdicts([c, above])[1]
+    assert (removed.kind, removed.of, removed.similarity) == ("near", 0, j_above)
+    close = change_lines(below, 0.03, seed=1)
+    out = verdicts([a, close, below])
+    assert out[:2] == [None, None] and (out[2].kind, out[2].of) == ("near", 1)
+
+
+LICENCE_WORDS = ["permission", "is", "hereby", "granted", "free", "of", "charge", "to", "any", "person", "software"]
+LICENCE = [" ".join(random.Random(i).choices(LICENCE_WORDS, k=10)) for i in range(16)]  # 16 lines of a licence
+
+
+@pytest.mark.parametrize(
+    ("language", "header"),
+    [
+        ("Python", "".join(f"# {line}\n" for line in LICENCE)),
+        ("C", "/*\n" + "".join(f" * {x}\n" for x in LICENCE) + " */\n"),
+    ],
+)
+def test_a_shared_licence_header_makes_no_distinct_short_files_copies_and_hides_no_copy(language, header):
+    small = [header + code_file(100 + s, lines=4) + "\n" for s in range(20)]  # the header: 4/5 of each file's words
+    assert verdicts(small, language=language) == [None] * 20
+    originals = [header + code_file(s, lines=40) for s in range(20)]
+    copies = [header + change_lines(code_file(s, lines=40), 0.03, seed=s) for s in range(20)]
+    out = verdicts(originals + copies, language=language)
+    assert out[:20] == [None] * 20 and [(v.kind, v.of) for v in out[20:]] == [("near", i) for i in range(20)]
+
+
+def test_only_a_comment_block_with_words_after_it_is_left_out_of_the_shingles():
+    assert without_header("# licence\n#!x\n\nimport os\n", "Python") == "import os\n"
+    assert without_header("// a\n/* b\n c */\n    int x;\n", "Go") == "\n    int x;\n"  # its indentation stays
+    assert without_header("# only comments\n# here\n", "Python") == "# only comments\n# here\n"
+    assert without_header("# Title\n\nSome prose.\n", "Markdown") == "# Title\n\nSome prose.\n"
+    assert without_header("# Title\nrow\n", None) == "# Title\nrow\n"  # a JSONL record, a conversation
+    assert without_header("#include <stdio.h>\nint x;\n", "C") == "#include <stdio.h>\nint x;\n"
+    assert set(KIND) >= HASH_COMMENTED | C_COMMENTED  # languages.py's names
 
 
 def test_the_defaults_are_the_measured_ones():
@@ -121,11 +179,11 @@ def test_the_defaults_are_the_measured_ones():
 
 
 def test_copies_with_10_to_15_percent_of_lines_changed_are_found_when_similar_enough():
-    """The bands decide which pairs are compared at all: every copy whose signature reaches the threshold must be
-    found (fewer bands miss some: 16 miss 9 of these 38, 8 miss 36), and most copies with 10% changed are."""
+    """The bands decide which pairs are compared at all: every copy whose shingles reach the threshold must be
+    found (fewer bands miss some), and most copies with 10% changed are."""
     names = ["textwrap.py", "shlex.py", "fractions.py", "heapq.py", "calendar.py", "queue.py", "sched.py", "fnmatch.py"]
     originals = [(STDLIB / name).read_text() for name in names]
-    dedup, signatures = Deduplicator(NEAR), [signature(text, NEAR) for text in originals]
+    dedup, shingles = Deduplicator(NEAR), [fingerprint(text, NEAR).shingles for text in originals]
     assert [dedup.check(i, fingerprint(text, NEAR)) for i, text in enumerate(originals)] == [None] * len(names)
     found, missed = {}, []
     for fraction in (0.10, 0.12, 0.15):
@@ -134,7 +192,7 @@ def test_copies_with_10_to_15_percent_of_lines_changed_are_found_when_similar_en
                 fp = fingerprint(change_lines(text, fraction, seed=1000 * i + copy), NEAR)
                 verdict = dedup.match(fp)
                 found[fraction] = found.get(fraction, 0) + (verdict is not None and verdict.of == i)
-                if verdict is None and (fp.signature == signatures[i]).mean() >= NEAR.threshold:
+                if verdict is None and jaccard(fp.shingles, shingles[i]) >= NEAR.threshold:
                     missed.append((names[i], fraction, copy))
     assert not missed
     assert found[0.10] >= 0.75 * 3 * len(names) and found[0.15] < found[0.10]

@@ -281,7 +281,7 @@ def test_other_settings_are_refused_then_replaced_whole_with_force(tmp_path, mon
     new = prepare(PrepareSettings.from_flags(str(src), val_fraction=0.5, shard_tokens=50), out, workers=1, force=True)
     assert "resuming" in capsys.readouterr().out  # the killed replacement picks up where it stopped
     assert read_manifest(out) == new and new["splits"]["val"]["docs"] > 0
-    own = ["manifest.json", "report.md", *(s["file"] for s in new["shards"])]
+    own = ["manifest.json", "report.md", "removed.jsonl", *(s["file"] for s in new["shards"])]
     assert sorted(p.name for p in out.iterdir()) == sorted(own)
     assert not list(tmp_path.glob(".out.*"))
 
@@ -377,7 +377,7 @@ def test_a_prepare_that_failed_midway_is_started_over_by_the_corrected_command(t
     )  # no --force needed
     left = sorted(p.name for p in out.iterdir() if p.name != ".lock")
     # no shard of the failed one
-    assert left == sorted(["manifest.json", "report.md", *(s["file"] for s in fixed["shards"])])
+    assert left == sorted(["manifest.json", "report.md", "removed.jsonl", *(s["file"] for s in fixed["shards"])])
 
     killed, real = tmp_path / "killed", prep.documents  # a killed prepare keeps its shards for the same command
 
@@ -585,6 +585,7 @@ def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(t
 
     src, out = _tiny(tmp_path / "src"), tmp_path / "out"
     stale = [".progress.json.tmp.4242", ".manifest.json.tmp.17", ".tokenizer.json.tmp.5", ".train_000000.bin.tmp.9"]
+    stale.append(".removed.jsonl.tmp.3")
 
     def crash(*args):
         raise KeyboardInterrupt  # killed mid-run, after writing progress.json
@@ -597,7 +598,14 @@ def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(t
         (out / name).write_text("torn")
     manifest = prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)  # resumes, then finishes
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [".lock", ".notes.txt.tmp.1", "manifest.json", "report.md", *(s["file"] for s in manifest["shards"])]
+        [
+            ".lock",
+            ".notes.txt.tmp.1",
+            "manifest.json",
+            "report.md",
+            "removed.jsonl",
+            *(s["file"] for s in manifest["shards"]),
+        ]
     )
     for name in stale:  # a kill -9 after the manifest, mid-write of one of these
         (out / name).write_text("torn")

@@ -125,6 +125,7 @@ def test_the_same_documents_are_kept_whatever_the_worker_count(tmp_path, monkeyp
         PrepareSettings.from_flags(str(src), val_fraction=0.2, shard_tokens=3000), tmp_path / "three", workers=3
     )
     assert _shards(one) == _shards(three) and one["report"] == three["report"]
+    assert (tmp_path / "one" / "removed.jsonl").read_bytes() == (tmp_path / "three" / "removed.jsonl").read_bytes()
 
 
 def test_resume_after_a_crash_with_dedup_gives_the_uninterrupted_shards(tmp_path, monkeypatch):
@@ -154,6 +155,35 @@ def test_resume_after_a_crash_with_dedup_gives_the_uninterrupted_shards(tmp_path
     )
     assert _shards(resumed) == _shards(clean) and resumed["report"] == clean["report"]
     assert resumed["report"]["stages"]["exact duplicates"]["docs"] == 2
+
+
+def test_every_removed_document_is_a_row_of_removed_jsonl_with_its_stage(tmp_path):
+    src = _corpus(tmp_path / "src", n=6)
+    (src / "generated.py").write_text("a=1;" * 1000)
+    (src / "blob.py").write_bytes(b"\x00\x01binary\x00" * 10)
+    (src / "empty.py").write_text("")
+    licence = "".join(
+        f"# Licensed under the terms of the licence that comes with this file, line {i}\n" for i in range(16)
+    )
+    for name in ("lic_a", "lic_b"):  # distinct behind a shared licence: both kept
+        (src / f"{name}.py").write_text(f"{licence}def {name}(x):\n    return {name}(x - 1)\n")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"ctx": _text(2).splitlines()[0] + " " + _text(2).splitlines()[1]}) + "\n")
+    flags = dict(val_fraction=0, clean="code", decontaminate=[str(evals)], clean_set=["code.min_alpha_fraction=0"])
+    m = prepare(PrepareSettings.from_flags(str(src), **flags), tmp_path / "out", workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    assert [(r["document"], r["stage"]) for r in rows] == [
+        ("doc02.txt", "decontaminated"),
+        ("generated.py", "filtered"),
+        ("zz_exact.txt", "exact duplicates"),
+        ("zz_near.txt", "near duplicates"),
+        ("blob.py", "binary skipped"),
+        ("empty.py", "empty skipped"),
+    ]
+    assert rows[1]["filter"] == m["report"]["filtered_samples"][0]["filter"] and rows[1]["reason"]
+    assert (rows[2]["kept"], rows[2]["jaccard"]) == ("doc03.txt", 1.0)
+    assert rows[3]["kept"] == "doc05.txt" and 0.7 <= rows[3]["jaccard"] < 1
+    assert "`removed.jsonl` (6 rows)" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_clean_code_removes_a_minified_file_and_names_its_filter(tmp_path):

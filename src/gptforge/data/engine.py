@@ -179,9 +179,10 @@ def datatrove_outcomes(
 def _record(o: Outcome) -> dict[str, Any]:
     fp = o.fingerprint
     sig = None if fp is None or fp.signature is None else fp.signature.tobytes().hex()
+    shingles = None if fp is None or fp.shingles is None else fp.shingles.tobytes().hex()
     return {
         "index": o.index, "split": o.split, "name": o.name, "n_tokens": o.n_tokens, "n_bytes": o.n_bytes,
-        "key": None if fp is None else fp.key.hex(), "signature": sig,
+        "key": None if fp is None else fp.key.hex(), "signature": sig, "shingles": shingles,
         "failure": o.failure, "contaminated": o.contaminated,
     }  # fmt: skip
 
@@ -193,8 +194,11 @@ def _read_task(base: Path) -> Iterator[tuple[Outcome, np.ndarray]]:
             r = json.loads(line)
             fp = None
             if r["key"] is not None:
-                sig = None if r["signature"] is None else np.frombuffer(bytes.fromhex(r["signature"]), np.uint32)
-                fp = Fingerprint(bytes.fromhex(r["key"]), sig)
+                sig, shingles = (
+                    None if r[k] is None else np.frombuffer(bytes.fromhex(r[k]), np.uint32)
+                    for k in ("signature", "shingles")
+                )
+                fp = Fingerprint(bytes.fromhex(r["key"]), sig, shingles)
             failure = tuple(r["failure"]) if r["failure"] else None
             o = Outcome(r["index"], r["split"], r["name"], r["n_tokens"], r["n_bytes"], fp, failure, r["contaminated"])
             yield o, np.asarray(tokens[offset : offset + o.n_tokens])

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.data.report import REMOVED_FILE
 from gptforge.data.shards import MANIFEST, PROGRESS
 from gptforge.errors import GptforgeError
 from gptforge.files import (
@@ -32,7 +33,8 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACC
 # What the messages of errors that the same command resumes from say (files.writing's, the engine's, prepare's).
 RESUMABLE = ("cannot write", "run the same command again")
 # The files prepare writes (atomic_write leaves a temp file of one when killed mid-write).
-OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE, REPORT_FILE))) + r"|(train|val)_\d+\.bin"
+OWN_FILES = "|".join(map(re.escape, (MANIFEST, PROGRESS, TOKENIZER_FILE, REPORT_FILE, REMOVED_FILE)))
+OWN_FILES += r"|(train|val)_\d+\.bin"
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -72,8 +72,9 @@ def encode(jobs: list[Job]) -> tuple[list[Outcome], np.ndarray]:
     tok, dedup = _worker["tok"], _worker["dedup"]
     outcomes, ids = [], []
     for job in jobs:
-        failure = first_failure(_worker["filters"], job.text, language_of(job.name))
-        fp = fingerprint(job.text, dedup) if dedup.mode != "none" and failure is None else None
+        language = language_of(job.name)
+        failure = first_failure(_worker["filters"], job.text, language)
+        fp = fingerprint(job.text, dedup, language) if dedup.mode != "none" and failure is None else None
         contaminated = failure is None and job.split == "train" and is_contaminated(job.text, _worker["ngrams"])
         before = len(ids)
         if job.tokenize and failure is None and not contaminated:
@@ -131,7 +132,7 @@ def judge(outcome: Outcome, dedup: Deduplicator, report: Report, names: dict[int
     if dedup.settings.mode != "none":
         names[index] = name  # a kept document: a later duplicate names it
     if outcome.contaminated:
-        report.count("decontaminated", n_bytes)
+        report.decontaminated(name, n_bytes)
         return False
     report.kept(language, n_bytes)
     return True

@@ -43,7 +43,7 @@ from gptforge.data.outdir import (
 )
 from gptforge.data.pipeline import Job, Outcome, is_validation, judge
 from gptforge.data.prepare_settings import PrepareSettings, tokenizer_digest
-from gptforge.data.report import Report, render
+from gptforge.data.report import REMOVED_FILE, Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
 from gptforge.data.sources import Document, documents, local_paths, source_bytes, source_state
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -195,8 +195,8 @@ def _build(
             w.restore([s for s in progress["shards"] if s["split"] == split])
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
     report = _tokenize(read, tok, ngrams, writers, settings, out, run)
-    for _, n_bytes, why in read[1]:
-        report.count(f"{why} skipped", n_bytes)
+    for name, n_bytes, why in read[1]:
+        report.skipped(name, why, n_bytes)
     _check_kept(settings, writers, report)
     if settings.decontaminate:
         print(
@@ -216,6 +216,7 @@ def _build(
         "report": report.to_json(),
         "shards": writers["train"].shards + writers["val"].shards,
     }
+    atomic_write(out / REMOVED_FILE, report.removed)
     atomic_write(out / REPORT_FILE, render(manifest["report"], manifest["settings"]))
     write_manifest(out, manifest)
     (out / PROGRESS).unlink(missing_ok=True)

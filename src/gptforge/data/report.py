@@ -1,13 +1,15 @@
 """What `prepare` removed and kept, stage by stage: counted while documents are decided, saved in the manifest
-("report") and as a report.md a person reads."""
+("report"), as a report.md a person reads, and as removed.jsonl: a row for every removed document."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 SAMPLES = 10  # removed pairs and filtered documents shown in report.md
+REMOVED_FILE = "removed.jsonl"
 STAGES = (
     "read",
     "binary skipped",
@@ -23,7 +25,8 @@ STAGES = (
 
 @dataclass
 class Report:
-    """Documents and bytes per stage and per language, and the first removed documents as samples."""
+    """Documents and bytes per stage and per language, the first removed documents as samples, and a removed.jsonl
+    row for each removed one (encoded: a row costs its bytes, not a dict's)."""
 
     docs: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
@@ -31,6 +34,7 @@ class Report:
     languages: dict[str, list[int]] = field(default_factory=dict)  # language -> [read, kept]
     pairs: list[dict[str, Any]] = field(default_factory=list)
     filtered: list[dict[str, str]] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
 
     def count(self, stage: str, n_bytes: int) -> None:
         self.docs[stage] += 1
@@ -44,8 +48,17 @@ class Report:
         self.count("kept", n_bytes)
         self.languages[language or "unknown"][1] += 1
 
+    def skipped(self, name: str, why: str, n_bytes: int) -> None:
+        self.count(f"{why} skipped", n_bytes)
+        self.removed.append(removal(name, f"{why} skipped", bytes=n_bytes))
+
+    def decontaminated(self, name: str, n_bytes: int) -> None:
+        self.count("decontaminated", n_bytes)
+        self.removed.append(removal(name, "decontaminated", bytes=n_bytes))
+
     def filter_removed(self, name: str, rule: str, reason: str, n_bytes: int) -> None:
         self.count("filtered", n_bytes)
+        self.removed.append(removal(name, "filtered", bytes=n_bytes, filter=rule, reason=reason))
         counts = self.filters.setdefault(rule, [0, 0])
         counts[0], counts[1] = counts[0] + 1, counts[1] + n_bytes
         if len(self.filtered) < SAMPLES:
@@ -53,6 +66,7 @@ class Report:
 
     def duplicate(self, kind: str, name: str, kept: str, similarity: float, n_bytes: int) -> None:
         self.count(f"{kind} duplicates", n_bytes)
+        self.removed.append(removal(name, f"{kind} duplicates", bytes=n_bytes, kept=kept, jaccard=round(similarity, 4)))
         if len(self.pairs) < SAMPLES:
             self.pairs.append({"removed": name, "kept": kept, "kind": kind, "similarity": round(similarity, 3)})
 
@@ -63,7 +77,13 @@ class Report:
             "languages": {k: {"read": r, "kept": k_} for k, (r, k_) in sorted(self.languages.items())},
             "duplicate_pairs": self.pairs,
             "filtered_samples": self.filtered,
+            "removed_rows": len(self.removed),
         }
+
+
+def removal(document: str, stage: str, **details: Any) -> bytes:
+    """One removed.jsonl row: the document (file path, or file:line), the stage that removed it, and why."""
+    return json.dumps({"document": document, "stage": stage, **details}, ensure_ascii=False).encode() + b"\n"
 
 
 def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
@@ -79,9 +99,14 @@ def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
         lines.append(f"| filter `{name}` | {c['docs']:,} | {c['bytes']:,} | {100 * c['bytes'] / total:.2f}% |")
     lines += ["", "## Languages", "", "| language | read | kept |", "| --- | ---: | ---: |"]
     lines += [f"| {lang} | {c['read']:,} | {c['kept']:,} |" for lang, c in report["languages"].items()]
+    lines += [
+        "",
+        f"Every removed document is a row of `{REMOVED_FILE}` ({report['removed_rows']:,} rows): its stage, and for a "
+        "copy the document kept and the exact Jaccard similarity of their shingles.",
+    ]
     if report["duplicate_pairs"]:
         lines += ["", "## Removed duplicates (first ones; the earliest document of a cluster is kept)", ""]
-        lines += ["| removed | kept | kind | estimated similarity |", "| --- | --- | --- | ---: |"]
+        lines += ["| removed | kept | kind | Jaccard similarity |", "| --- | --- | --- | ---: |"]
         lines += [
             f"| `{p['removed']}` | `{p['kept']}` | {p['kind']} | {p['similarity']:.3f} |"
             for p in report["duplicate_pairs"]

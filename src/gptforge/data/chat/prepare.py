@@ -34,6 +34,7 @@ from gptforge.data.clean.decontaminate import eval_ngrams, is_contaminated
 from gptforge.data.clean.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
 from gptforge.data.pipeline import is_validation
 from gptforge.data.prepare_settings import check_dedup
+from gptforge.data.report import REMOVED_FILE, removal
 from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_manifest, write_mask, write_shard
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
@@ -81,6 +82,7 @@ class ChatCounts:
     bad_rows: list[str] = field(default_factory=list)
     removed: Counter = field(default_factory=Counter)
     removed_rows: list[str] = field(default_factory=list)
+    trace: list[bytes] = field(default_factory=list)  # removed.jsonl's rows: every bad or removed row
 
 
 def chat_files(source: str) -> list[Path]:
@@ -151,6 +153,7 @@ def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[
 def _bad(counts: ChatCounts, where: str, reason: str, field: str) -> None:
     counts.bad[re.sub(r"\[\d+\]", "[i]", field)] += 1  # counted by the field at fault, named row by row
     counts.bad_rows.append(f"{where}: {reason}")
+    counts.trace.append(removal(where, "bad row", reason=reason))
 
 
 def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bool = False) -> dict[str, Any]:
@@ -172,11 +175,14 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
         if verdict is not None:
             counts.removed[f"{verdict.kind} duplicate"] += 1
             counts.removed_rows.append(f"{where}: {verdict.kind} duplicate of {kept[verdict.of]}")
+            jaccard = round(verdict.similarity, 4)
+            counts.trace.append(removal(where, f"{verdict.kind} duplicate", kept=kept[verdict.of], jaccard=jaccard))
             continue
         kept[index] = where
         if ngrams and is_contaminated(text, ngrams):
             counts.removed["contaminated"] += 1
             counts.removed_rows.append(f"{where}: shares a 13-gram with the evaluation files")
+            counts.trace.append(removal(where, "contaminated"))
             continue
         key = hashlib.sha256(text.encode()).hexdigest()
         split = split or ("val" if is_validation(key, index, settings.val_fraction, settings.seed) else "train")
@@ -192,6 +198,7 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
         check_output_dir(out, force, reads=reads)  # again, holding the lock: another prepare may have written it
         removed = {**{f"bad rows ({k})": v for k, v in counts.bad.items()}, **counts.removed}
         manifest = _write(tmp, source, base, splits, settings, removed)
+        atomic_write(tmp / REMOVED_FILE, counts.trace)
         atomic_write(tmp / "report.md", _report(source, counts, manifest))
     return manifest
 
@@ -201,7 +208,8 @@ def _fingerprint(messages: list[Message], settings: DedupSettings) -> Fingerprin
     the assistant replied: a long system message shared by distinct conversations does not make them copies."""
     exact = "\x1e".join(f"{m.role}\x1f{m.content}" for m in messages)
     turns = "\n".join(m.content for m in messages if m.role != "system")
-    return Fingerprint(fingerprint(exact, settings).key, fingerprint(turns, settings).signature)
+    near = fingerprint(turns, settings)
+    return Fingerprint(fingerprint(exact, settings).key, near.signature, near.shingles)
 
 
 def _check_training_left(source: str, counts: ChatCounts, splits: dict[str, _Split]) -> None:
@@ -284,4 +292,9 @@ def _report(source: str, counts: ChatCounts, manifest: dict[str, Any]) -> str:
             shown = f"the first {SHOWN_BAD_ROWS} of {len(rows):,}" if len(rows) > SHOWN_BAD_ROWS else f"{len(rows):,}"
             lines += ["", f"{title} ({shown}):", ""]
             lines += [f"- {row}" for row in rows[:SHOWN_BAD_ROWS]]
+    lines += [
+        "",
+        f"Every bad or removed row is a row of `{REMOVED_FILE}` ({len(counts.trace):,} rows): why, and for a copy the "
+        "row kept and the exact Jaccard similarity of their shingles.",
+    ]
     return "\n".join(lines) + "\n"
