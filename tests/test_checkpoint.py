@@ -155,3 +155,25 @@ def test_every_file_of_a_sharded_checkpoint_is_sealed_and_a_flipped_byte_is_name
     assert checksum_problem(ckpt, meta, for_training=True).startswith("rng_rank0.pt does not match")
     meta["sha256"]["../outside"] = meta["sha256"].pop("rng_rank0.pt")
     assert "names '../outside', which is not a file of the checkpoint" in checksum_problem(ckpt, meta, True)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "meta.json"])
+def test_a_fifo_in_a_checkpoint_is_named_and_never_opened(tmp_path, name):
+    import threading
+
+    from gptforge.checkpoint import checkpoint_problem
+    from gptforge.config import Config
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model.gpt import GPTConfig
+
+    cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
+    ckpt = save_checkpoint(tmp_path, 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"), {"tokens": 0})
+    (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+    found = []
+    check = threading.Thread(target=lambda: found.append(checkpoint_problem(ckpt)), daemon=True)
+    check.start()
+    check.join(timeout=10)
+    if check.is_alive():  # opening the FIFO blocks until a writer comes: be the writer, so the test ends
+        os.close(os.open(ckpt / name, os.O_WRONLY))
+    assert found == [f"{name} is not a regular file (a FIFO, device, socket, dead link)"]

@@ -143,3 +143,6 @@ def test_a_device_this_machine_lacks_is_one_line():
             resolve_device("mps")
     with pytest.raises(GptforgeError, match=r"train.device='cuda:\d+': "):
         resolve_device(f"cuda:{torch.cuda.device_count()}")
+    with pytest.raises(GptforgeError, match=r"^train.device='cpu:1': expected auto, cpu, cuda, cuda:N or mps$"):
+        resolve_device("cpu:1")  # one CPU device: safetensors then refused it, a traceback
+    assert resolve_device("cpu:0") == torch.device("cpu") and resolve_device("cpu:0").index is None

@@ -61,10 +61,12 @@ def test_the_limits_are_accepted_up_to_their_value_and_refused_past_it_naming_th
         ({"best_of": True}, "best_of"),  # True == 1 == n in Python
         ({"best_of": 1.0}, "best_of"),
         ({"presence_penalty": False}, "presence_penalty"),  # False == 0 in Python
-        ({"stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),  # was read as true
-        ({"stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
-        ({"stream_options": []}, "stream_options"),  # falsy: was read as no options
-        ({"stream_options": False}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),  # read as true
+        ({"stream": True, "stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
+        ({"stream": True, "stream_options": []}, "stream_options"),  # falsy: was read as no options
+        ({"stream": True, "stream_options": False}, "stream_options"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # not streamed: OpenAI's 400, was ignored
+        ({"stream": False, "stream_options": {}}, "stream_options"),
     ],
 )
 def test_values_that_used_to_raise_or_to_pass_unchecked_are_400s_naming_the_argument(args, param):

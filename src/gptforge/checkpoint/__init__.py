@@ -92,6 +92,9 @@ def checkpoint_problem(ckpt: Path, for_training: bool = False, checksums: bool =
     """Why a checkpoint folder cannot be loaded, or None. Cheap structural checks that catch what a full disk,
     a killed copy or a hand edit leaves (unreadable meta.json, truncated weights, a missing or cut optimizer); with
     `checksums`, also damage that kept the sizes (every file the load reads is hashed)."""
+    special = _special_file(ckpt)
+    if special:
+        return special
     try:
         meta = json.loads((ckpt / META).read_text(encoding="utf-8"))
         config_from_dict(meta["config"])
@@ -105,6 +108,16 @@ def checkpoint_problem(ckpt: Path, for_training: bool = False, checksums: bool =
     if not problem and checksums:
         problem = checksum_problem(ckpt, meta, for_training)
     return problem
+
+
+def _special_file(ckpt: Path) -> str | None:
+    """A FIFO, device or socket where a checkpoint's file goes: opening it would block (or never end), so it is
+    named and never opened."""
+    try:
+        odd = next((p for p in ckpt.rglob("*") if not (p.is_file() or p.is_dir())), None)
+    except OSError:  # pruned by training a moment ago: the checks below say what is missing
+        return None
+    return None if odd is None else f"{odd.relative_to(ckpt)} is not a regular file (a FIFO, device, socket, dead link)"
 
 
 def _optimizer_problem(ckpt: Path) -> str | None:

@@ -8,7 +8,7 @@ import os
 from gptforge import __version__, commands
 from gptforge.cli.types import Parser, at_least, file_name, positive_ints, probability, seed_value
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
-from gptforge.runtime import DTYPE_NAMES
+from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
 from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
@@ -117,7 +117,7 @@ def _add_data_commands(sub) -> None:
 def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    s.add_argument("--threads", type=at_least(1), help=threads_help)
+    s.add_argument("--threads", type=at_least(1, high=MAX_THREADS), help=threads_help)
 
 
 def _add_set_flag(s: argparse.ArgumentParser, help: str = "override an option") -> None:

@@ -12,7 +12,7 @@ from gptforge.data.chat.template import TEMPLATE_NAME
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.model.lora import TARGETS as LORA_TARGETS
-from gptforge.runtime import DTYPE_NAMES
+from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
 
 
 def _at_least(low: float) -> tuple[Any, str]:
@@ -76,7 +76,7 @@ RULES: dict[str, tuple[Any, str]] = {
     # timedelta(seconds=1e300) overflows under torchrun; 11 days is already no timeout for a stalled collective
     "train.dist_timeout": ((lambda v: 0 < v <= 10**6), "in (0, 1000000] seconds"),
     "train.peak_flops": _at_least(0),
-    "train.threads": _within(0, 1024, high_ok=True),  # torch.set_num_threads(100000) crashes the process
+    "train.threads": _within(0, MAX_THREADS, high_ok=True),
     "train.lora_rank": _within(0, 2**12, high_ok=True),
     # alpha / rank scales every update: past 2**16 it overflows (1e300: every step non-finite and skipped)
     "train.lora_alpha": ((lambda v: 0 < v <= 2**16), "in (0, 65536]"),

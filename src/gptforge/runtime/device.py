@@ -27,8 +27,10 @@ def resolve_device(name: str = "auto", flag: str = "train.device") -> torch.devi
         device = torch.device(name)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda", "mps"):
+    if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
         raise GptforgeError(f"{flag}={name!r}: expected auto, cpu, cuda, cuda:N or mps")
+    if device.index is not None and device.type != "cuda":  # cpu:0 is the cpu; safetensors refuses an index there
+        device = torch.device(device.type)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GptforgeError(f"{flag}={name!r}: CUDA is not available on this machine")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():

@@ -137,6 +137,8 @@ def _check_arguments(body: Any, known: set[str]) -> None:
 
 def _include_usage(body: dict) -> bool:
     options = body.get("stream_options")
+    if options is not None and not _flag(body, "stream"):  # as OpenAI answers: it would be silently ignored
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
