@@ -154,6 +154,7 @@ def test_resume_after_a_crash_with_dedup_gives_the_uninterrupted_shards(tmp_path
         PrepareSettings.from_flags(str(src), val_fraction=0.2, shard_tokens=1500), tmp_path / "out", workers=1
     )
     assert _shards(resumed) == _shards(clean) and resumed["report"] == clean["report"]
+    assert (tmp_path / "out" / "removed.jsonl").read_bytes() == (tmp_path / "clean" / "removed.jsonl").read_bytes()
     assert resumed["report"]["stages"]["exact duplicates"]["docs"] == 2
 
 
