@@ -13,6 +13,7 @@ from tests.train.test_distributed import ENV, TIMEOUT, torchrun
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
 from gptforge.config import load_config
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
+from gptforge.errors import GptforgeError
 from gptforge.rundir import read_metrics
 from gptforge.train.trainer import train
 
@@ -110,6 +111,8 @@ def test_a_lora_run_resumes_exactly(chat_dir, base, tmp_path):
     assert a[3] == b[3] and a[4] == b[4]
     wa, wb = (load_checkpoint(r, merge=False)[0].state_dict() for r in (tmp_path / "a", tmp_path / "b"))
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    with pytest.raises(GptforgeError, match=rf"^train.init_from='{base}': the run started from '{own_base}', and a"):
+        train(tune(chat_dir, base, *settings, "train.max_steps=6"), tmp_path / "b", resume="auto")  # another base
 
 
 @pytest.mark.slow
@@ -133,7 +136,6 @@ def test_two_gloo_processes_fine_tune_with_lora_as_one_process(chat_dir, base, t
 
 
 def test_a_chat_run_and_its_base_disagreeing_on_fim_is_refused():
-    from gptforge.errors import GptforgeError
     from gptforge.train.finetune import check_fim
 
     base = load_config("tiny", ["data.fim_rate=0.5"])

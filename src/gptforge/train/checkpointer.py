@@ -183,6 +183,11 @@ def config_changes(before: Config, now: Config, misfit: str | None = None) -> li
             f"resume continues its optimizer's state (resume with optim.optimizer={before.optim.optimizer}, or start "
             "a new run from its weights with train.init_from)"
         )
+    if before.train.init_from != now.train.init_from:  # the weights come from the checkpoint, whatever it names
+        raise GptforgeError(
+            f"train.init_from={now.train.init_from!r}: the run started from {before.train.init_from!r}, and a resume "
+            "continues from its own checkpoint (resume with the same train.init_from, or with --resume alone)"
+        )
     if (before.data.fim_rate > 0) != (now.data.fim_rate > 0):
         raise GptforgeError(
             f"data.fim_rate={now.data.fim_rate}: the checkpoint trained with data.fim_rate={before.data.fim_rate}, "
