@@ -2,6 +2,8 @@
 blocked."""
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 
@@ -179,3 +181,15 @@ def test_a_main_thread_in_one_native_call_is_blocked_and_one_running_python_is_n
         step()
     # One sample may find the main thread descheduled by a loaded machine; not all five in a row, in practice.
     assert None in found
+
+
+def test_a_second_signal_stops_at_once_without_waiting_for_the_step(capsys):
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM  # the first: a checkpoint at the end of the step
+        with pytest.raises(SystemExit) as exit:
+            os.kill(os.getpid(), signal.SIGINT)
+    assert exit.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err == (
+        "gptforge train: error: a second SIGINT: stopping now, without a checkpoint (the last one saved is kept)\n"
+    )

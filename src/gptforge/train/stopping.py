@@ -53,6 +53,14 @@ class StopSignal:
         return self
 
     def _handle(self, signum, frame) -> None:
+        if self.received is not None:  # a second signal: the step (a long sample or evaluation) is not waited for
+            print(
+                f"gptforge train: error: a second {signal.Signals(signum).name}: stopping now, without a checkpoint "
+                "(the last one saved is kept)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(128 + signum)
         self.received = signum
 
     def _watch(self, read: int) -> None:
