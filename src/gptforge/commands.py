@@ -13,6 +13,7 @@ from gptforge.files import to_json
 def cmd_prepare(args: argparse.Namespace) -> None:
     from gptforge.data.chat.prepare import chat_form
     from gptforge.data.clean.dedup import DedupSettings
+    from gptforge.data.clean.quality import QualitySettings
     from gptforge.data.engine import EngineSettings
     from gptforge.data.prepare import prepare, summarize
     from gptforge.data.prepare_settings import PrepareSettings
@@ -45,6 +46,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         clean=args.clean,
         clean_set=args.clean_set,
         ext=args.ext,
+        quality=QualitySettings(args.quality, args.quality_threshold),
     )
     engine = EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time)
     manifest = prepare(settings, args.out, workers=args.workers, force=args.force, engine=engine)
@@ -61,6 +63,8 @@ def _prepare_chat(args: argparse.Namespace, dedup) -> None:
         "--ext": (args.ext is not None, "conversations are read from .jsonl files"),
         "--text-field": (args.text_field is not None, "a conversation's text is in its messages"),
         "--workers": (args.workers is not None, "conversations are prepared in one process"),
+        "--quality": (args.quality is not None, "the quality classifier scores documents, not conversations"),
+        "--quality-threshold": (args.quality_threshold is not None, "the quality classifier scores documents"),
     }
     engine = ("--engine", "--tasks", "--executor", "--slurm-partition", "--slurm-time")
     defaults = ("local", 1, "local", "", "24:00:00")

@@ -305,7 +305,7 @@ def test_a_second_prepare_into_the_same_folder_is_refused_naming_the_pid(tmp_pat
 def test_unfinished_prepare_is_marked_from_the_start(tmp_path, monkeypatch):
     import gptforge.data.prepare as prep
 
-    def crash(*args):
+    def crash(*args, **kwargs):
         raise KeyboardInterrupt  # killed before the first shard
 
     monkeypatch.setattr(prep, "_tokenize", crash)
@@ -587,7 +587,7 @@ def test_temp_files_a_kill_left_are_removed_on_resume_and_on_a_finished_folder(t
     stale = [".progress.json.tmp.4242", ".manifest.json.tmp.17", ".tokenizer.json.tmp.5", ".train_000000.bin.tmp.9"]
     stale.append(".removed.jsonl.tmp.3")
 
-    def crash(*args):
+    def crash(*args, **kwargs):
         raise KeyboardInterrupt  # killed mid-run, after writing progress.json
 
     monkeypatch.setattr(prep, "_tokenize", crash)

@@ -51,6 +51,17 @@ def _add_cleaning_flags(s) -> None:
     )
     s.add_argument("--clean", default="none", help="quality filters: none (default) | code | web")
     s.add_argument(
+        "--quality",
+        metavar="REF",
+        help="GPT-3's quality classifier: keep documents like REF's (a folder, glob or stdlib)",
+    )
+    s.add_argument(
+        "--quality-threshold",
+        type=float,
+        metavar="T",
+        help="with --quality: keep a document scoring at least T in [0, 1] (default: GPT-3's Pareto rule, alpha 9)",
+    )
+    s.add_argument(
         "--engine", default="local", help="where documents are processed: local (worker processes) | datatrove"
     )
     s.add_argument("--tasks", type=int, default=1, help="datatrove: tasks the documents are split into (default 1)")

@@ -17,6 +17,7 @@ import numpy as np
 from gptforge.data.clean.decontaminate import is_contaminated
 from gptforge.data.clean.dedup import Deduplicator, DedupSettings, fingerprint
 from gptforge.data.clean.filters import Filter, first_failure
+from gptforge.data.clean.quality import Classifier
 from gptforge.data.languages import language_of
 from gptforge.data.report import Report
 from gptforge.data.shards import dtype_for_vocab
@@ -49,17 +50,25 @@ class Outcome:
     fingerprint: Any  # dedup.fingerprint's, or None when not de-duplicating or filtered
     failure: tuple[str, str] | None  # (filter, reason) of the first filter that removes it
     contaminated: bool
+    score: float | None = None  # the quality classifier's, for a document the filters kept (None: no classifier)
 
 
-def init_worker(spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> None:
+def init_worker(
+    spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings, quality: Classifier | None
+) -> None:
     # Ctrl-C reaches the whole process group: the parent alone stops the run, not a traceback from each worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    load_worker(spec, ngrams, filters, dedup)
+    load_worker(spec, ngrams, filters, dedup, quality=quality)
 
 
-def load_worker(spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings) -> None:
-    """What `encode` uses in this process: the tokenizer (None: judging only), n-grams, filters, dedup settings."""
-    _worker.update(tok=load_tokenizer(spec) if spec else None, ngrams=ngrams, filters=filters, dedup=dedup)
+def load_worker(
+    spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings, *, quality=None
+) -> None:
+    """What `encode` uses in this process: the tokenizer (None: judging only), n-grams, filters, dedup settings
+    and the quality classifier (None: none)."""
+    _worker.update(
+        tok=load_tokenizer(spec) if spec else None, ngrams=ngrams, filters=filters, dedup=dedup, quality=quality
+    )
 
 
 def encode(jobs: list[Job]) -> tuple[list[Outcome], np.ndarray]:
@@ -69,19 +78,25 @@ def encode(jobs: list[Job]) -> tuple[list[Outcome], np.ndarray]:
     contaminated document, or one not to tokenize, gets no tokens; each tokenized one is EOT first, then its text.
     One array per batch keeps the parent's work small.
     """
-    tok, dedup = _worker["tok"], _worker["dedup"]
+    tok, dedup, quality = _worker["tok"], _worker["dedup"], _worker.get("quality")
+    failures = [first_failure(_worker["filters"], job.text, language_of(job.name)) for job in jobs]
+    passed = [job.text for job, failure in zip(jobs, failures, strict=True) if failure is None]
+    scores = iter(quality.scores(passed) if quality is not None else [None] * len(passed))
     outcomes, ids = [], []
-    for job in jobs:
-        language = language_of(job.name)
-        failure = first_failure(_worker["filters"], job.text, language)
-        fp = fingerprint(job.text, dedup, language) if dedup.mode != "none" and failure is None else None
+    for job, failure in zip(jobs, failures, strict=True):
+        score = next(scores) if failure is None else None
+        fp = fingerprint(job.text, dedup, language_of(job.name)) if dedup.mode != "none" and failure is None else None
         contaminated = failure is None and job.split == "train" and is_contaminated(job.text, _worker["ngrams"])
         before = len(ids)
-        if job.tokenize and failure is None and not contaminated:
+        # The quality verdict is a function of the score and the name alone: one judge removes needs no tokens.
+        unwanted = score is not None and not quality.keeps(score, job.name)
+        if job.tokenize and failure is None and not contaminated and not unwanted:
             ids.append(tok.eot)
             ids.extend(tok.encode(job.text))
         n_bytes = len(job.text.encode("utf-8"))
-        outcomes.append(Outcome(job.index, job.split, job.name, len(ids) - before, n_bytes, fp, failure, contaminated))
+        outcomes.append(
+            Outcome(job.index, job.split, job.name, len(ids) - before, n_bytes, fp, failure, contaminated, score)
+        )
     return outcomes, np.array(ids, dtype=dtype_for_vocab(tok.vocab_size) if tok else np.uint16)
 
 
@@ -116,15 +131,23 @@ def is_validation(name: str, index: int, val_fraction: float, seed: int = 0) -> 
     return index == 0 or zlib.crc32(key.encode()) % 1_000_000 < val_fraction * 1_000_000
 
 
-def judge(outcome: Outcome, dedup: Deduplicator, report: Report, names: dict[int, str]) -> bool:
-    """Whether a document is kept, in the stated order: filters, then duplicates of an earlier kept document
-    (decided here, in document order, whatever the worker count), then contamination; counted in `report`."""
+def judge(
+    outcome: Outcome, dedup: Deduplicator, report: Report, names: dict[int, str], *, quality: Classifier | None = None
+) -> bool:
+    """Whether a document is kept, in the stated order: filters, the quality classifier (GPT-3's order: before
+    de-duplication), then duplicates of an earlier kept document (decided here, in document order, whatever the
+    worker count), then contamination; counted in `report`."""
     index, name, n_bytes = outcome.index, outcome.name, outcome.n_bytes
     language = language_of(name)
     report.read(language, n_bytes)
     if outcome.failure is not None:
         report.filter_removed(name, *outcome.failure, n_bytes)
         return False
+    if quality is not None:
+        kept = quality.keeps(outcome.score, name)
+        report.scored(name, outcome.score, kept, n_bytes)
+        if not kept:
+            return False
     verdict = dedup.check(index, outcome.fingerprint) if outcome.fingerprint is not None else None
     if verdict is not None:
         report.duplicate(verdict.kind, name, names.get(verdict.of, "?"), verdict.similarity, n_bytes)
@@ -155,7 +178,12 @@ def worker_count(workers: int | None) -> int:
 
 
 def start_pool(
-    processes: int, spec: str | None, ngrams: frozenset[int], filters: list[Filter], dedup: DedupSettings
+    processes: int,
+    spec: str | None,
+    ngrams: frozenset[int],
+    filters: list[Filter],
+    dedup: DedupSettings,
+    quality: Classifier | None = None,
 ) -> Any:
     """A spawn pool of tokenizer workers that ignore Ctrl-C: the parent alone stops the run, ending them."""
     # Spawned while SIGINT is ignored here, the workers start out ignoring it (an ignored signal stays ignored
@@ -164,7 +192,7 @@ def start_pool(
     main = threading.current_thread() is threading.main_thread()
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        return mp.get_context("spawn").Pool(processes, init_worker, (spec, ngrams, filters, dedup))
+        return mp.get_context("spawn").Pool(processes, init_worker, (spec, ngrams, filters, dedup, quality))
     finally:
         if handler is not None:
             signal.signal(signal.SIGINT, handler)

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gptforge.data import pipeline
+from gptforge.data.clean import quality
 from gptforge.data.clean.decontaminate import eval_ngrams
 from gptforge.data.clean.dedup import Deduplicator, DedupSettings
 from gptforge.data.clean.filters import build_filters
@@ -45,7 +46,7 @@ from gptforge.data.pipeline import Job, Outcome, is_validation, judge
 from gptforge.data.prepare_settings import PrepareSettings, tokenizer_digest
 from gptforge.data.report import REMOVED_FILE, Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
-from gptforge.data.sources import Document, documents, local_paths, source_bytes, source_state
+from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes, source_state
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, locked, output_folder, swap_dir
@@ -70,13 +71,14 @@ def _tokenizer_for(
     given: Tokenizer | None,
     ngrams: frozenset[int],
     workers: int | None,
+    scorer: quality.Classifier | None,
 ) -> Tokenizer:
     """The `given` tokenizer (GPT-2 or a file), or a BPE trained on the training documents the run keeps (so that
     copies and filtered junk do not shape its vocabulary); file-based ones go to OUT."""
     if given is None:
         if resuming and (out / TOKENIZER_FILE).is_file():
             return load_tokenizer(TOKENIZER_FILE, out)
-        kept = _kept_training_docs(settings, ngrams, workers)
+        kept = _kept_training_docs(settings, ngrams, workers=workers, scorer=scorer)
         docs = pipeline.nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
         train_docs = (
             text
@@ -91,19 +93,21 @@ def _tokenizer_for(
     return given
 
 
-def _kept_training_docs(settings: PrepareSettings, ngrams: frozenset[int], workers: int | None) -> set[int] | None:
-    """Indexes of the training documents the run keeps (filters, duplicates, contamination), judged without
-    tokenizing; None when nothing is removed."""
+def _kept_training_docs(
+    settings: PrepareSettings, ngrams: frozenset[int], *, workers: int | None, scorer: quality.Classifier | None
+) -> set[int] | None:
+    """Indexes of the training documents the run keeps (filters, quality, duplicates, contamination), judged
+    without tokenizing; None when nothing is removed."""
     filters = build_filters(settings.clean_mode, settings.clean)
-    if settings.dedup.mode == "none" and not filters and not ngrams:
+    if settings.dedup.mode == "none" and not filters and not ngrams and scorer is None:
         return None
     docs = pipeline.nonempty(documents(settings.source, settings.text_field, extensions=settings.extensions))
     jobs = (Job(i, _split(name, i, settings), name, text, tokenize=False) for i, (name, text) in enumerate(docs))
     dedup, report, names, kept = Deduplicator(settings.dedup), Report(), {}, set()
     print("judging the documents first, so that the tokenizer learns from those kept", flush=True)
-    with pipeline.start_pool(pipeline.worker_count(workers), None, ngrams, filters, settings.dedup) as pool:
+    with pipeline.start_pool(pipeline.worker_count(workers), None, ngrams, filters, settings.dedup, scorer) as pool:
         for batch, _ in pool.imap(pipeline.encode, pipeline.batched(jobs)):
-            kept.update(o.index for o in batch if judge(o, dedup, report, names) and o.split == "train")
+            kept.update(o.index for o in batch if judge(o, dedup, report, names, quality=scorer) and o.split == "train")
     return kept
 
 
@@ -120,6 +124,11 @@ def prepare(
     folder holding anything else; `engine`: where the per-document work runs."""
     if workers is not None and workers <= 0:
         raise GptforgeError(f"--workers must be positive, got {workers}")
+    # Its tasks run encode in their own processes, which would need the classifier shipped with the Share.
+    if settings.quality.reference is not None and engine.name == "datatrove":
+        raise GptforgeError(
+            "--quality: not with --engine datatrove (its tasks do not carry the classifier); use --engine local"
+        )
     engine = check_engine(engine)
     source = settings.source
     skipped: list[tuple[str, int, str]] = []  # (name, bytes, why): filled as the documents are read
@@ -128,7 +137,8 @@ def prepare(
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = holds_own_data(out)
     given_file = [] if settings.trained_vocab is not None or settings.tokenizer == "gpt2" else [settings.tokenizer]
-    check_output_dir(out, force or holds_data, [*local_paths(source), *settings.decontaminate, *given_file])
+    reference = local_paths(settings.quality.reference) if settings.quality.reference is not None else []
+    check_output_dir(out, force or holds_data, [*local_paths(source), *settings.decontaminate, *given_file, *reference])
     settings = dataclasses.replace(
         settings,
         corpus=source_state(source, settings.extensions),
@@ -138,6 +148,7 @@ def prepare(
     if done is not None and not force:
         return already_prepared(out, done, locked)  # decided reading only, so a finished read-only folder works
     docs, tok, ngrams = _checked_inputs(pipeline.nonempty(docs, skipped), settings)
+    scorer = _classifier(settings)  # trained once, here, before the folder exists: a bad REF writes nothing
     created = not (out.exists() or out.is_symlink())
     try:
         with removed_if_failed(out, created), locked(out, "prepare"):
@@ -145,9 +156,8 @@ def prepare(
             if folder is None:  # another prepare finished it since the check above
                 return already_prepared(out, read_json(out / MANIFEST), locked)
             with marked_if_failed(folder):
-                manifest = _build(
-                    (docs, skipped), folder, settings, given=tok, ngrams=ngrams, run=_Run(workers, engine)
-                )
+                run = _Run(workers, engine)
+                manifest = _build((docs, skipped), folder, settings, given=tok, ngrams=ngrams, scorer=scorer, run=run)
             if folder != out:
                 swap_dir(folder, out.resolve())
             return manifest
@@ -172,12 +182,35 @@ def _checked_inputs(
     return itertools.chain([first], docs), tok, ngrams
 
 
+def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
+    """--quality's classifier, learned from a seeded sample of REF's documents against one of the corpus's; None
+    without --quality. A missing or empty REF is one line naming --quality."""
+    if settings.quality.reference is None:
+        return None
+    ref, text_field = resolve(settings.quality.reference, settings.text_field)
+
+    def texts(source: str) -> Iterator[str]:
+        return (text for _, text in pipeline.nonempty(documents(source, text_field, extensions=settings.extensions)))
+
+    try:
+        reference = quality.sample(texts(ref), quality.SAMPLE_DOCS, settings.seed)
+    except GptforgeError as e:
+        raise GptforgeError(f"--quality: {e}") from None
+    # Another stream of the same seed: a document in both REF and the corpus is not drawn in step on both sides.
+    corpus = quality.sample(texts(settings.source), quality.SAMPLE_DOCS, settings.seed + 1)
+    print(
+        f"quality classifier: {len(reference):,} reference documents against {len(corpus):,} of the corpus", flush=True
+    )
+    return quality.train(reference, corpus, settings.quality, settings.seed)
+
+
 def _build(
     read: tuple[Iterator[Document], list[tuple[str, int, str]]],
     out: Path,
     settings: PrepareSettings,
     given: Tokenizer | None,
     ngrams: frozenset[int],
+    scorer: quality.Classifier | None,
     run: _Run,
 ) -> dict[str, Any]:
     """Tokenize into `out`, resuming what a same-settings run saved in progress.json; returns the manifest."""
@@ -188,13 +221,13 @@ def _build(
         remove_own_files(out)  # an earlier attempt's shards must not outlive it among the new ones
         shutil.rmtree(out / WORK_DIR, ignore_errors=True)
         atomic_write(out / PROGRESS, json.dumps({"settings": settings.to_json(), "shards": []}))
-    tok = _tokenizer_for(out, settings, resuming, given, ngrams=ngrams, workers=run.workers)
+    tok = _tokenizer_for(out, settings, resuming, given, ngrams=ngrams, workers=run.workers, scorer=scorer)
     writers = {s: ShardWriter(out, s, settings.shard_tokens, dtype_for_vocab(tok.vocab_size)) for s in SPLITS}
     if resuming and progress.get("shards"):
         for split, w in writers.items():
             w.restore([s for s in progress["shards"] if s["split"] == split])
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shard(s) already written", flush=True)
-    report = _tokenize(read, tok, ngrams, writers, settings, out, run)
+    report = _tokenize(read, tok, ngrams, writers, settings, out, run, scorer=scorer)
     for name, n_bytes, why in read[1]:
         report.skipped(name, why, n_bytes)
     _check_kept(settings, writers, report)
@@ -236,6 +269,11 @@ def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], repo
             f"{source}: --clean {settings.clean_mode} removed every document (filter {rule} removed {n:,} of "
             f"{report.docs['read']:,}; {counts}); relax it with --clean-set or pass --clean none"
         )
+    if report.docs["quality"] and not writers["val"].docs:
+        raise GptforgeError(
+            f"{source}: --quality {settings.quality.reference} removed {report.docs['quality']:,} of "
+            f"{report.docs['read']:,} documents and nothing else is left; lower --quality-threshold or pick another REF"
+        )
     if writers["val"].docs == 0:
         raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
     raise GptforgeError(
@@ -252,6 +290,8 @@ def _tokenize(
     settings: PrepareSettings,
     out: Path,
     run: _Run,
+    *,
+    scorer: quality.Classifier | None,
 ) -> Report:
     """Judge every document in order and tokenize those kept that are not yet in a shard into the writers,
     saving progress after each shard. Documents already in shards are judged again (not written), so the
@@ -274,7 +314,7 @@ def _tokenize(
                       settings.seed, spec, ngrams, filters, settings.dedup, str(out / WORK_DIR))  # fmt: skip
         batches = datatrove_outcomes(share, run.engine, skipped)
     else:
-        batches = _local_outcomes(jobs(), spec, ngrams, filters, settings.dedup, run.workers)
+        batches = _local_outcomes(jobs(), spec, (ngrams, filters, settings.dedup, scorer), run.workers)
     dedup, report, names = Deduplicator(settings.dedup), Report(), {}
     bar = tqdm(
         total=source_bytes(settings.source), desc=f"prepare {settings.source}", unit="B", unit_scale=True, disable=None
@@ -282,7 +322,9 @@ def _tokenize(
     for batch, tokens in batches:
         offset = 0
         for o in batch:
-            kept = judge(o, dedup, report, names) and o.n_tokens and o.index >= writers[o.split].next_doc
+            kept = (
+                judge(o, dedup, report, names, quality=scorer) and o.n_tokens and o.index >= writers[o.split].next_doc
+            )
             if kept and writers[o.split].add(o.index, tokens[offset : offset + o.n_tokens], o.n_bytes):
                 save_progress()
             offset += o.n_tokens
@@ -295,10 +337,11 @@ def _tokenize(
 
 
 def _local_outcomes(
-    jobs: Iterator[Job], spec: str, ngrams: frozenset[int], filters: list, dedup: DedupSettings, workers: int | None
+    jobs: Iterator[Job], spec: str, stages: tuple[frozenset[int], list, DedupSettings, Any], workers: int | None
 ) -> Iterator[tuple[list[Outcome], np.ndarray]]:
-    """The outcomes and tokens of this machine's worker processes, batch by batch in document order."""
-    with pipeline.start_pool(pipeline.worker_count(workers), spec, ngrams, filters, dedup) as pool:
+    """The outcomes and tokens of this machine's worker processes, batch by batch in document order; `stages`: the
+    n-grams, filters, dedup settings and quality classifier each worker judges with."""
+    with pipeline.start_pool(pipeline.worker_count(workers), spec, *stages) as pool:
         yield from pool.imap(pipeline.encode, pipeline.batched(jobs))
 
 

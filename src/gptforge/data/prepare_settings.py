@@ -17,6 +17,7 @@ from typing import Any
 
 from gptforge.data.clean.dedup import DEDUP_MODES, DedupSettings
 from gptforge.data.clean.filters import CleanSettings, build_filters, clean_settings
+from gptforge.data.clean.quality import QualitySettings, check_quality
 from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
 from gptforge.data.sources import resolve
 from gptforge.data.tokenizer import check_vocab_size
@@ -34,10 +35,11 @@ SETTING_FLAGS = {
     "ext": "--ext",
     "dedup": "--dedup",
     "clean": "--clean/--clean-set",
+    "quality": "--quality/--quality-threshold",
     "corpus": "SOURCE",
     "tokenizer_sha256": "--tokenizer (the file's sha256)",
 }
-LATER_KEYS = ("ext", "dedup", "clean")  # absent from folders prepared before they existed
+LATER_KEYS = ("ext", "dedup", "clean", "quality")  # absent from folders prepared before they existed
 UNRECORDED = ("corpus", "tokenizer_sha256")  # absent from folders prepared before they existed: nothing to compare
 # Past these, MinHash costs grow without finding more copies: a signature's time and memory are linear in the
 # hashes (1,000,000 took minutes on 1.7 MB), a shingle's in its words. --dedup-bands divides --dedup-hashes.
@@ -57,6 +59,7 @@ class PrepareSettings:
     dedup: DedupSettings = field(default_factory=DedupSettings)
     clean_mode: str = "none"
     clean: CleanSettings = field(default_factory=CleanSettings)
+    quality: QualitySettings = field(default_factory=QualitySettings)
     corpus: tuple[int, int, str] | None = None  # sources.source_state: a changed corpus is not already prepared
     tokenizer_sha256: str | None = None  # a --tokenizer file's content: another file of the same name is no resume
 
@@ -76,12 +79,14 @@ class PrepareSettings:
         clean: str = "none",
         clean_set: Sequence[str] = (),
         ext: str | None = None,
+        quality: QualitySettings | None = None,
     ) -> PrepareSettings:
         """The settings `gptforge prepare`'s flags ask for, each checked (one line naming a flag that cannot work).
 
         `tokenizer`: 'gpt2' or a tokenizer .json file, or `train_tokenizer=N` for an N-token BPE trained on the
         corpus; `dedup`: a mode (none, exact, near) or its settings; `clean`: a filter set (none, code, web),
-        `clean_set` its changes; `ext`: the file types read (languages.parse_extensions)."""
+        `clean_set` its changes; `ext`: the file types read (languages.parse_extensions); `quality`: the classifier's
+        reference and rule."""
         _check_numbers(val_fraction, shard_tokens)
         _check_names(source, tokenizer, decontaminate)
         if train_tokenizer is not None:
@@ -94,6 +99,7 @@ class PrepareSettings:
         build_filters(clean)  # an unknown mode fails here
         cleaning = clean_settings(clean_set)
         _check_clean_set(clean, clean_set)
+        quality = check_quality(quality or QualitySettings())
         source, text_field = resolve(source, text_field)
         extensions = parse_extensions(ext) if ext is not None else DEFAULT_EXTENSIONS
         return cls(
@@ -108,6 +114,7 @@ class PrepareSettings:
             dedup=dedup,
             clean_mode=clean,
             clean=cleaning,
+            quality=quality,
         )
 
     @property
@@ -132,6 +139,7 @@ class PrepareSettings:
             "ext": sorted(self.ext) if self.ext is not None else None,
             "dedup": dataclasses.asdict(self.dedup),
             "clean": {"mode": self.clean_mode, **dataclasses.asdict(self.clean)} if self.clean_mode != "none" else None,
+            "quality": dataclasses.asdict(self.quality) if self.quality.reference is not None else None,
             "corpus": dict(zip(("files", "bytes", "sha256"), self.corpus, strict=True)) if self.corpus else None,
             "tokenizer_sha256": self.tokenizer_sha256,
         }

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 SAMPLES = 10  # removed pairs and filtered documents shown in report.md
+QUALITY_SAMPLES = 3  # documents kept and removed by the quality classifier shown in report.md, each
 REMOVED_FILE = "removed.jsonl"
 STAGES = (
     "read",
@@ -16,6 +20,7 @@ STAGES = (
     "undecodable skipped",
     "empty skipped",
     "filtered",
+    "quality",
     "exact duplicates",
     "near duplicates",
     "decontaminated",
@@ -35,6 +40,8 @@ class Report:
     pairs: list[dict[str, Any]] = field(default_factory=list)
     filtered: list[dict[str, str]] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
+    scores: array = field(default_factory=lambda: array("d"))  # the quality classifier's, in document order
+    scored_samples: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"kept": [], "removed": []})
 
     def count(self, stage: str, n_bytes: int) -> None:
         self.docs[stage] += 1
@@ -70,6 +77,31 @@ class Report:
         if len(self.pairs) < SAMPLES:
             self.pairs.append({"removed": name, "kept": kept, "kind": kind, "similarity": round(similarity, 3)})
 
+    def scored(self, name: str, score: float, kept: bool, n_bytes: int) -> None:
+        """A document the quality classifier scored; a removed one is counted and traced with its score."""
+        self.scores.append(score)
+        if not kept:
+            self.count("quality", n_bytes)
+            self.removed.append(removal(name, "quality", bytes=n_bytes, score=round(score, 4)))
+        shown = self.scored_samples["kept" if kept else "removed"]
+        if len(shown) < QUALITY_SAMPLES:
+            shown.append({"document": name, "score": round(score, 4)})
+
+    def quality(self) -> dict[str, Any] | None:
+        """The scores' summary (count, mean, deciles, a histogram by tenths) and the first documents kept and
+        removed; None when no classifier ran."""
+        if not self.scores:
+            return None
+        scores = np.frombuffer(self.scores, dtype=np.float64)
+        tenths = np.minimum((scores * 10).astype(int), 9)  # a score of exactly 1 belongs to the last tenth
+        return {
+            "count": len(scores),
+            "mean": round(float(scores.mean()), 4),
+            "deciles": [round(float(q), 4) for q in np.quantile(scores, np.linspace(0, 1, 11))],
+            "histogram": np.bincount(tenths, minlength=10).tolist(),
+            "samples": self.scored_samples,
+        }
+
     def to_json(self) -> dict[str, Any]:
         return {
             "stages": {s: {"docs": self.docs[s], "bytes": self.bytes[s]} for s in STAGES},
@@ -78,6 +110,7 @@ class Report:
             "duplicate_pairs": self.pairs,
             "filtered_samples": self.filtered,
             "removed_rows": len(self.removed),
+            **({"quality": self.quality()} if self.scores else {}),
         }
 
 
@@ -114,4 +147,21 @@ def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
     if report["filtered_samples"]:
         lines += ["", "## Filtered documents (first ones)", "", "| removed | filter | reason |", "| --- | --- | --- |"]
         lines += [f"| `{f['removed']}` | `{f['filter']}` | {f['reason']} |" for f in report["filtered_samples"]]
+    if report.get("quality"):
+        lines += _quality_lines(report["quality"], settings.get("quality") or {})
     return "\n".join(lines) + "\n"
+
+
+def _quality_lines(quality: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """report.md's section on the quality classifier: how scores spread, and documents on each side."""
+    threshold = settings.get("threshold")
+    rule = f"kept when the score is at least {threshold}" if threshold is not None else "GPT-3's Pareto rule"
+    lines = ["", "## Quality scores", "", f"Reference: `{settings.get('reference')}`; {rule}; "]
+    lines[-1] += f"{quality['count']:,} documents scored, mean {quality['mean']:.3f}."
+    lines += ["", "| score | documents |", "| --- | ---: |"]
+    lines += [f"| {i / 10:.1f}-{(i + 1) / 10:.1f} | {n:,} |" for i, n in enumerate(quality["histogram"])]
+    for side in ("kept", "removed"):
+        if quality["samples"][side]:
+            lines += ["", f"First documents {side}:", "", "| document | score |", "| --- | ---: |"]
+            lines += [f"| `{d['document']}` | {d['score']:.3f} |" for d in quality["samples"][side]]
+    return lines

@@ -1,0 +1,139 @@
+"""prepare --quality: GPT-3's classifier keeps documents like the reference's, by a seeded per-document rule."""
+
+import json
+import random
+import string
+import sys
+
+import pytest
+
+import gptforge.data.pipeline as pipeline
+from gptforge.cli import main
+from gptforge.data.clean import quality
+from gptforge.data.clean.quality import Classifier, QualitySettings
+from gptforge.data.engine import EngineSettings
+from gptforge.data.prepare import prepare
+from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.errors import GptforgeError
+
+NOUNS = ["total", "average", "count", "largest", "names", "scores", "items", "words", "lines", "prices", "ages"]
+VERBS = ["compute", "collect", "find", "load", "parse", "render", "merge", "filter", "update", "check"]
+
+
+def _function(seed: int) -> str:
+    """A readable Python function, different for each seed."""
+    rng = random.Random(seed)
+    verb, noun, other = rng.choice(VERBS), rng.choice(NOUNS), rng.choice(NOUNS)
+    k = rng.randint(2, 9)
+    return (
+        f"def {verb}_{noun}(values, limit={k}):\n"
+        f'    """Return the {noun} of the values below the limit, as {other}."""\n'
+        f"    result = []\n"
+        f"    for value in values:\n"
+        f"        if value < limit:\n"
+        f"            result.append(value * {k})\n"
+        f"    return result\n"
+    )
+
+
+def _garbage(seed: int) -> str:
+    """A minified or random line: what a quality classifier should score low."""
+    rng = random.Random(seed)
+    return "".join(rng.choices(string.ascii_letters + string.digits + ";{}()=+-*/%$#@!", k=400)) + "\n"
+
+
+def _folders(tmp_path, n_ref=30, n_real=20, n_junk=20):
+    ref, corpus = tmp_path / "ref", tmp_path / "corpus"
+    ref.mkdir()
+    corpus.mkdir()
+    for i in range(n_ref):
+        (ref / f"ref{i:02d}.py").write_text(_function(1000 + i))
+    for i in range(n_real):
+        (corpus / f"real{i:02d}.py").write_text(_function(i))
+    for i in range(n_junk):
+        (corpus / f"junk{i:02d}.py").write_text(_garbage(i))
+    return ref, corpus
+
+
+def _settings(corpus, ref, threshold=None, seed=0):
+    return PrepareSettings.from_flags(
+        str(corpus), val_fraction=0, dedup="none", seed=seed, quality=QualitySettings(str(ref), threshold)
+    )
+
+
+def test_the_classifier_keeps_real_functions_and_removes_garbage(tmp_path):
+    ref, corpus = _folders(tmp_path)
+    # The real functions of the corpus are on both sides of what it learns (reference-like, yet in the corpus):
+    # they score about 0.5-0.75, the garbage about 0.1.
+    m = prepare(_settings(corpus, ref, threshold=0.3), tmp_path / "out", workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    removed = {r["document"] for r in rows}
+    assert all(r["stage"] == "quality" and 0 <= r["score"] < 0.3 for r in rows)
+    assert sum(name.startswith("junk") for name in removed) >= 18  # of 20
+    assert sum(name.startswith("real") for name in removed) <= 2  # of 20
+    scores = m["report"]["quality"]
+    assert scores["count"] == 40 and sum(scores["histogram"]) == 40 and len(scores["deciles"]) == 11
+    assert m["report"]["stages"]["quality"]["docs"] == len(rows) == 40 - m["splits"]["train"]["docs"]
+    assert m["settings"]["quality"] == {"reference": str(ref), "threshold": 0.3}
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Quality scores" in report and "First documents removed:" in report and "| quality |" in report
+
+
+def test_the_pareto_rule_keeps_by_score_seeded_per_document():
+    rule = Classifier(None, None, QualitySettings("ref"), seed=0)
+    names = [f"doc{i}.py" for i in range(2000)]
+    assert all(rule.keeps(1.0, n) for n in names)  # a draw is never negative: a perfect score always stays
+    assert sum(rule.keeps(0.0, n) for n in names) < 20  # (1 + 1) ** -9: about 4 of 2000
+    kept = sum(rule.keeps(0.9, n) for n in names) / len(names)
+    assert abs(kept - 1.1**-9) < 0.04  # GPT-3's alpha 9: about 0.42
+    again = [rule.keeps(0.9, n) for n in names]
+    other_seed = [Classifier(None, None, QualitySettings("ref"), seed=1).keeps(0.9, n) for n in names]
+    assert again == [rule.keeps(0.9, n) for n in names] and again != other_seed
+    threshold = Classifier(None, None, QualitySettings("ref", 0.5), seed=0)
+    assert threshold.keeps(0.5, "a") and not threshold.keeps(0.4999, "a")
+
+
+def test_quality_keeps_the_same_documents_whatever_the_worker_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "BATCH_DOCS", 3)  # many small batches, finished by the workers in any order
+    monkeypatch.setattr(pipeline, "cpu_count", lambda: 3)
+    ref, corpus = _folders(tmp_path)
+    one = prepare(_settings(corpus, ref), tmp_path / "one", workers=1)
+    three = prepare(_settings(corpus, ref), tmp_path / "three", workers=3)
+    assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in three["shards"]]
+    assert one["report"] == three["report"] and one["report"]["stages"]["quality"]["docs"] > 0
+    assert (tmp_path / "one" / "removed.jsonl").read_bytes() == (tmp_path / "three" / "removed.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("quality_flags", "match"),
+    [
+        (QualitySettings("missing"), "--quality: .*missing"),
+        (QualitySettings("empty"), "--quality: .*empty"),
+        (QualitySettings("ref", 1.5), r"--quality-threshold must be in \[0, 1\], got 1.5"),
+        (QualitySettings(None, 0.5), "--quality-threshold 0.5: needs --quality"),
+    ],
+)
+def test_a_bad_reference_or_threshold_is_one_line_naming_the_flag(tmp_path, monkeypatch, quality_flags, match):
+    ref, corpus = _folders(tmp_path, n_ref=2, n_real=2, n_junk=2)
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(GptforgeError, match=match):
+        prepare(PrepareSettings.from_flags(str(corpus), val_fraction=0, quality=quality_flags), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_quality_is_refused_with_datatrove_and_chat(tmp_path, capsys):
+    ref, corpus = _folders(tmp_path, n_ref=2, n_real=2, n_junk=2)
+    with pytest.raises(GptforgeError, match="--quality: not with --engine datatrove"):
+        prepare(_settings(corpus, ref), tmp_path / "out", engine=EngineSettings("datatrove"))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["prepare", str(chat), "--out", str(tmp_path / "c"), "--chat", "--quality", str(ref)]) != 0
+    assert "--quality: does not apply to conversations" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_missing_scikit_learn_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.linear_model", None)  # `import` now raises ImportError
+    with pytest.raises(GptforgeError, match=r"--quality needs its extra: pip install 'gptforge\[quality\]'"):
+        quality.train(["def f(): pass"], ["x"], QualitySettings("ref"), seed=0)
