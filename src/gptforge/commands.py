@@ -46,7 +46,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         clean=args.clean,
         clean_set=args.clean_set,
         ext=args.ext,
-        quality=QualitySettings(args.quality, args.quality_threshold),
+        quality=QualitySettings(args.quality, args.quality_threshold, args.quality_labels),
     )
     engine = EngineSettings(args.engine, args.tasks, args.executor, args.slurm_partition, args.slurm_time)
     manifest = prepare(settings, args.out, workers=args.workers, force=args.force, engine=engine)
@@ -64,6 +64,7 @@ def _prepare_chat(args: argparse.Namespace, dedup) -> None:
         "--text-field": (args.text_field is not None, "a conversation's text is in its messages"),
         "--workers": (args.workers is not None, "conversations are prepared in one process"),
         "--quality": (args.quality is not None, "the quality classifier scores documents, not conversations"),
+        "--quality-labels": (args.quality_labels is not None, "the quality classifier scores documents"),
         "--quality-threshold": (args.quality_threshold is not None, "the quality classifier scores documents"),
     }
     engine = ("--engine", "--tasks", "--executor", "--slurm-partition", "--slurm-time")

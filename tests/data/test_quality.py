@@ -74,7 +74,7 @@ def test_the_classifier_keeps_real_functions_and_removes_garbage(tmp_path):
     scores = m["report"]["quality"]
     assert scores["count"] == 40 and sum(scores["histogram"]) == 40 and len(scores["deciles"]) == 11
     assert m["report"]["stages"]["quality"]["docs"] == len(rows) == 40 - m["splits"]["train"]["docs"]
-    assert m["settings"]["quality"] == {"reference": str(ref), "threshold": 0.3}
+    assert m["settings"]["quality"] == {"reference": str(ref), "threshold": 0.3, "labels": None}
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Quality scores" in report and "First documents removed:" in report and "| quality |" in report
 
@@ -137,3 +137,42 @@ def test_a_missing_scikit_learn_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.linear_model", None)  # `import` now raises ImportError
     with pytest.raises(GptforgeError, match=r"--quality needs its extra: pip install 'gptforge\[quality\]'"):
         quality.train(["def f(): pass"], ["x"], QualitySettings("ref"), seed=0)
+
+
+def _labels(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_quality_labels_train_a_regressor_that_keeps_what_was_scored_high(tmp_path):
+    _, corpus = _folders(tmp_path, n_ref=0)
+    rows = [{"text": _function(2000 + i), "score": 1} for i in range(30)]
+    rows += [{"text": _garbage(500 + i), "score": 0.0} for i in range(30)]
+    labels = _labels(tmp_path / "labels.jsonl", rows)
+    settings = PrepareSettings.from_flags(
+        str(corpus), val_fraction=0, dedup="none", quality=QualitySettings(threshold=0.5, labels=str(labels))
+    )
+    m = prepare(settings, tmp_path / "out", workers=1)
+    removed = [json.loads(line)["document"] for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    assert sum(name.startswith("junk") for name in removed) >= 18 and not any(n.startswith("real") for n in removed)
+    assert m["settings"]["quality"]["labels"] == str(labels) and m["report"]["quality"]["count"] == 40
+    assert f"Labels: `{labels}`" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ([{"text": "x"}], r"labels.jsonl:1: expected \{\"text\": string, \"score\": number\}"),
+        ([{"text": "x", "score": 0.5}, {"text": "y", "score": 2}], r"labels.jsonl:2: score 2 is outside \[0, 1\]"),
+        ([["x", 1]], "labels.jsonl:1: expected"),
+        ([], "no labelled documents"),
+    ],
+)
+def test_bad_quality_labels_are_one_line_naming_the_row(tmp_path, rows, match):
+    _, corpus = _folders(tmp_path, n_ref=0, n_real=2, n_junk=2)
+    labels = _labels(tmp_path / "labels.jsonl", rows)
+    with pytest.raises(GptforgeError, match="--quality-labels .*" + match):
+        prepare(PrepareSettings.from_flags(str(corpus), quality=QualitySettings(labels=str(labels))), tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(GptforgeError, match="--quality ref and --quality-labels .*: pass one of them"):
+        PrepareSettings.from_flags(str(corpus), quality=QualitySettings("ref", labels=str(labels)))

@@ -56,10 +56,15 @@ def _add_cleaning_flags(s) -> None:
         help="GPT-3's quality classifier: keep documents like REF's (a folder, glob or stdlib)",
     )
     s.add_argument(
+        "--quality-labels",
+        metavar="FILE.jsonl",
+        help='FineWeb-Edu\'s form: a regressor learns rows {"text": ..., "score": 0..1} (instead of --quality)',
+    )
+    s.add_argument(
         "--quality-threshold",
         type=float,
         metavar="T",
-        help="with --quality: keep a document scoring at least T in [0, 1] (default: GPT-3's Pareto rule, alpha 9)",
+        help="keep a document scoring at least T in [0, 1] (default: GPT-3's Pareto rule, alpha 9)",
     )
     s.add_argument(
         "--engine", default="local", help="where documents are processed: local (worker processes) | datatrove"

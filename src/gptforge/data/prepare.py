@@ -125,9 +125,10 @@ def prepare(
     if workers is not None and workers <= 0:
         raise GptforgeError(f"--workers must be positive, got {workers}")
     # Its tasks run encode in their own processes, which would need the classifier shipped with the Share.
-    if settings.quality.reference is not None and engine.name == "datatrove":
+    if settings.quality.flag is not None and engine.name == "datatrove":
         raise GptforgeError(
-            "--quality: not with --engine datatrove (its tasks do not carry the classifier); use --engine local"
+            f"{settings.quality.flag}: not with --engine datatrove (its tasks do not carry the classifier); "
+            "use --engine local"
         )
     engine = check_engine(engine)
     source = settings.source
@@ -137,7 +138,8 @@ def prepare(
     # Never the folder read from; a folder of other files is refused before the lock file goes into it.
     holds_data = holds_own_data(out)
     given_file = [] if settings.trained_vocab is not None or settings.tokenizer == "gpt2" else [settings.tokenizer]
-    reference = local_paths(settings.quality.reference) if settings.quality.reference is not None else []
+    reference = [Path(settings.quality.labels)] if settings.quality.labels is not None else []
+    reference += local_paths(settings.quality.reference) if settings.quality.reference is not None else []
     check_output_dir(out, force or holds_data, [*local_paths(source), *settings.decontaminate, *given_file, *reference])
     settings = dataclasses.replace(
         settings,
@@ -183,8 +185,12 @@ def _checked_inputs(
 
 
 def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
-    """--quality's classifier, learned from a seeded sample of REF's documents against one of the corpus's; None
-    without --quality. A missing or empty REF is one line naming --quality."""
+    """--quality's classifier, learned from a seeded sample of REF's documents against one of the corpus's, or
+    --quality-labels' regressor; None without either. A missing or empty REF is one line naming --quality."""
+    if settings.quality.labels is not None:
+        texts, scores = quality.labelled(settings.quality.labels)
+        print(f"quality regressor: {len(texts):,} labelled documents", flush=True)
+        return quality.train_regressor(texts, scores, settings.quality, settings.seed)
     if settings.quality.reference is None:
         return None
     ref, text_field = resolve(settings.quality.reference, settings.text_field)
@@ -271,7 +277,7 @@ def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], repo
         )
     if report.docs["quality"] and not writers["val"].docs:
         raise GptforgeError(
-            f"{source}: --quality {settings.quality.reference} removed {report.docs['quality']:,} of "
+            f"{source}: {settings.quality.flag} removed {report.docs['quality']:,} of "
             f"{report.docs['read']:,} documents and nothing else is left; lower --quality-threshold or pick another REF"
         )
     if writers["val"].docs == 0:

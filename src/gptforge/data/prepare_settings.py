@@ -35,7 +35,7 @@ SETTING_FLAGS = {
     "ext": "--ext",
     "dedup": "--dedup",
     "clean": "--clean/--clean-set",
-    "quality": "--quality/--quality-threshold",
+    "quality": "--quality/--quality-labels/--quality-threshold",
     "corpus": "SOURCE",
     "tokenizer_sha256": "--tokenizer (the file's sha256)",
 }
@@ -139,7 +139,7 @@ class PrepareSettings:
             "ext": sorted(self.ext) if self.ext is not None else None,
             "dedup": dataclasses.asdict(self.dedup),
             "clean": {"mode": self.clean_mode, **dataclasses.asdict(self.clean)} if self.clean_mode != "none" else None,
-            "quality": dataclasses.asdict(self.quality) if self.quality.reference is not None else None,
+            "quality": dataclasses.asdict(self.quality) if self.quality.flag is not None else None,
             "corpus": dict(zip(("files", "bytes", "sha256"), self.corpus, strict=True)) if self.corpus else None,
             "tokenizer_sha256": self.tokenizer_sha256,
         }

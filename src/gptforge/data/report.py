@@ -156,7 +156,10 @@ def _quality_lines(quality: dict[str, Any], settings: dict[str, Any]) -> list[st
     """report.md's section on the quality classifier: how scores spread, and documents on each side."""
     threshold = settings.get("threshold")
     rule = f"kept when the score is at least {threshold}" if threshold is not None else "GPT-3's Pareto rule"
-    lines = ["", "## Quality scores", "", f"Reference: `{settings.get('reference')}`; {rule}; "]
+    source = (
+        f"Reference: `{settings['reference']}`" if settings.get("reference") else f"Labels: `{settings.get('labels')}`"
+    )
+    lines = ["", "## Quality scores", "", f"{source}; {rule}; "]
     lines[-1] += f"{quality['count']:,} documents scored, mean {quality['mean']:.3f}."
     lines += ["", "| score | documents |", "| --- | ---: |"]
     lines += [f"| {i / 10:.1f}-{(i + 1) / 10:.1f} | {n:,} |" for i, n in enumerate(quality["histogram"])]

@@ -1,6 +1,7 @@
 """GPT-3's quality classifier: a linear model over hashed word and character n-grams learns to tell reference
 documents (label 1) from a seeded sample of the corpus being prepared (label 0); each document's score is its
 probability of being reference-like, and a document is kept by GPT-3's Pareto rule or above a threshold.
+FineWeb-Edu's form learns scores given to documents (`--quality-labels`) with a linear regressor instead.
 
 The vectorizer hashes (no vocabulary to fit) and the model is small, so it pickles to the worker processes, which
 score their batches; the parent decides, per document, from a generator seeded by the document's name, so the
@@ -17,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from gptforge.errors import GptforgeError
+from gptforge.files import read_jsonl, require_regular_file
 
-SAMPLE_DOCS = 20_000  # documents learned from on each side, at most: the classifier's accuracy plateaus long before
+SAMPLE_DOCS = 20_000  # documents learned from on each side, at most: bounds the parent's time and memory
 TEXT_CHARS = 10_000  # characters of a document read, for learning and for scoring alike (the same features)
 PARETO_ALPHA = 9  # GPT-3's shape: a document scoring s is kept with probability (2 - s) ** -9
 INSTALL = "--quality needs its extra: pip install 'gptforge[quality]'"
@@ -26,20 +28,32 @@ INSTALL = "--quality needs its extra: pip install 'gptforge[quality]'"
 
 @dataclass(frozen=True)
 class QualitySettings:
-    """--quality REF (None: no classifier) and --quality-threshold (None: GPT-3's Pareto rule)."""
+    """--quality REF or --quality-labels FILE.jsonl (both None: no classifier) and --quality-threshold (None:
+    GPT-3's Pareto rule)."""
 
     reference: str | None = None
     threshold: float | None = None
+    labels: str | None = None
+
+    @property
+    def flag(self) -> str | None:
+        """The flag that asks for a classifier, to name in messages; None without one."""
+        return "--quality" if self.reference is not None else "--quality-labels" if self.labels is not None else None
 
 
 def check_quality(settings: QualitySettings) -> QualitySettings:
     """The settings, or one line naming the flag whose value cannot work."""
-    if settings.threshold is not None and settings.reference is None:
-        raise GptforgeError(f"--quality-threshold {settings.threshold}: needs --quality REF (the classifier it cuts)")
+    if settings.reference is not None and settings.labels is not None:
+        raise GptforgeError(f"--quality {settings.reference} and --quality-labels {settings.labels}: pass one of them")
+    if settings.threshold is not None and settings.flag is None:
+        raise GptforgeError(
+            f"--quality-threshold {settings.threshold}: needs --quality REF or --quality-labels FILE (what it cuts)"
+        )
     if settings.threshold is not None and not 0 <= settings.threshold <= 1:
         raise GptforgeError(f"--quality-threshold must be in [0, 1], got {settings.threshold}")
-    if settings.reference is not None and not settings.reference.strip():
-        raise GptforgeError(f"--quality {settings.reference!r}: empty (expected a folder, glob or 'stdlib')")
+    for flag, value in (("--quality", settings.reference), ("--quality-labels", settings.labels)):
+        if value is not None and not value.strip():
+            raise GptforgeError(f"{flag} {value!r}: empty (expected a name)")
     return settings
 
 
@@ -68,7 +82,9 @@ class Classifier:
         if not texts:
             return []
         features = self.vectorizer.transform([t[:TEXT_CHARS] for t in texts])
-        return [float(p) for p in self.model.predict_proba(features)[:, 1]]
+        if hasattr(self.model, "predict_proba"):
+            return [float(p) for p in self.model.predict_proba(features)[:, 1]]
+        return [float(p) for p in np.clip(self.model.predict(features), 0, 1)]  # a regressor: labels are in [0, 1]
 
     def keeps(self, score: float, name: str) -> bool:
         """Whether a document scoring `score` is kept: above the threshold, or GPT-3's rule with a draw seeded by
@@ -89,22 +105,62 @@ def train(reference: list[str], corpus: list[str], settings: QualitySettings, se
         raise GptforgeError(f"--quality {settings.reference}: no reference documents with text")
     if not corpus:
         raise GptforgeError(f"--quality {settings.reference}: the corpus has no documents to learn against")
-    try:
-        from sklearn.feature_extraction.text import HashingVectorizer
-        from sklearn.linear_model import SGDClassifier
-        from sklearn.pipeline import make_union
-    except ImportError as e:
-        raise GptforgeError(f"{INSTALL} (missing {e.name})") from None
-    # Words say what a document is about, character n-grams how it is written (minified code, markup, mojibake).
-    vectorizer = make_union(
-        HashingVectorizer(analyzer="word", ngram_range=(1, 2), n_features=1 << 20, alternate_sign=False),
-        HashingVectorizer(analyzer="char_wb", ngram_range=(2, 4), n_features=1 << 20, alternate_sign=False),
-    )
+    sklearn = _sklearn()
+    vectorizer = _vectorizer(sklearn)
     labels = np.array([1] * len(reference) + [0] * len(corpus))
     # Balanced classes: a reference a tenth of the corpus's size must not pull every score towards 0.
     # Strong regularization: the corpus side holds the very documents scored later, and a weaker one (sklearn's
     # 1e-4) learns each of them by its names as label 0 (good code in a small corpus then scored 0.0-0.1, not 0.6).
     # Averaged SGD: the last iterate alone moved those scores by 0.2 from one seed to the next.
-    model = SGDClassifier(loss="log_loss", alpha=3e-3, average=True, class_weight="balanced", random_state=seed)
+    model = sklearn["SGDClassifier"](
+        loss="log_loss", alpha=3e-3, average=True, class_weight="balanced", random_state=seed
+    )
     model.fit(vectorizer.transform(reference + corpus), labels)
     return Classifier(model, vectorizer, settings, seed)
+
+
+def labelled(path: str) -> tuple[list[str], list[float]]:
+    """--quality-labels' rows: each a JSON object with a string "text" and a number "score" in [0, 1]; a bad row is
+    one line naming its file and line."""
+    texts, scores = [], []
+    for where, row in read_jsonl(require_regular_file(path, "--quality-labels")):
+        text, score = (row.get("text"), row.get("score")) if isinstance(row, dict) else (None, None)
+        if not isinstance(text, str) or isinstance(score, bool) or not isinstance(score, int | float):
+            raise GptforgeError(f'--quality-labels {where}: expected {{"text": string, "score": number}}')
+        if not 0 <= score <= 1:
+            raise GptforgeError(f"--quality-labels {where}: score {score} is outside [0, 1]")
+        texts.append(text[:TEXT_CHARS])
+        scores.append(float(score))
+    if not texts:
+        raise GptforgeError(f"--quality-labels {path}: no labelled documents")
+    return texts, scores
+
+
+def train_regressor(texts: list[str], scores: list[float], settings: QualitySettings, seed: int) -> Classifier:
+    """FineWeb-Edu's form: a linear regressor of the given scores over the same features, seeded."""
+    sklearn = _sklearn()
+    vectorizer = _vectorizer(sklearn)
+    model = sklearn["SGDRegressor"](alpha=1e-4, average=True, random_state=seed)
+    model.fit(vectorizer.transform(texts), np.array(scores))
+    return Classifier(model, vectorizer, settings, seed)
+
+
+def _sklearn() -> dict[str, Any]:
+    """scikit-learn's pieces, imported only when a classifier is asked for (an optional extra)."""
+    try:
+        from sklearn.feature_extraction.text import HashingVectorizer
+        from sklearn.linear_model import SGDClassifier, SGDRegressor
+        from sklearn.pipeline import make_union
+    except ImportError as e:
+        raise GptforgeError(f"{INSTALL} (missing {e.name})") from None
+    return {"HashingVectorizer": HashingVectorizer, "SGDClassifier": SGDClassifier, "SGDRegressor": SGDRegressor,
+            "make_union": make_union}  # fmt: skip
+
+
+def _vectorizer(sklearn: dict[str, Any]) -> Any:
+    # Words say what a document is about, character n-grams how it is written (minified code, markup, mojibake).
+    hashing = sklearn["HashingVectorizer"]
+    return sklearn["make_union"](
+        hashing(analyzer="word", ngram_range=(1, 2), n_features=1 << 20, alternate_sign=False),
+        hashing(analyzer="char_wb", ngram_range=(2, 4), n_features=1 << 20, alternate_sign=False),
+    )
