@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -183,11 +184,15 @@ def test_non_finite_steps_are_skipped_then_stop(data_dir, tmp_path, monkeypatch)
 
 
 def test_a_diverging_run_ends_by_the_skip_rule_with_samples_and_evaluation_on(data_dir, tmp_path):
-    overrides = ["optim.lr=1e9", "optim.warmup_steps=1", "train.max_steps=60", "eval.every=3", "checkpoint.every=2"]
-    with pytest.raises(GptforgeError, match=r"10 steps in a row with a non-finite loss .* last good checkpoint: none"):
+    overrides = ["optim.lr=1000", "optim.warmup_steps=1", "train.max_steps=60", "eval.every=3", "checkpoint.every=2"]
+    with pytest.raises(GptforgeError, match=r"10 steps in a row with a non-finite loss .*, the last at step") as caught:
         train(tiny_cfg(data_dir, *overrides), tmp_path / "r")
-    with pytest.raises(GptforgeError, match=r"steps in a row with a non-finite loss .* last good checkpoint: none"):
-        train(tiny_cfg(data_dir, *overrides), tmp_path / "r", resume="auto")  # checkpoints saved mid-streak: none
+    found = re.search(r"the last at step (\d+); last good checkpoint: (\S+) \(lower optim.lr", str(caught.value))
+    streak_start, good = int(found.group(1)) - 9, Path(found.group(2))
+    assert int(good.name.removeprefix("step_")) == streak_start - 1 and good.parent == tmp_path / "r" / "checkpoints"
+    assert all(torch.isfinite(w).all() for w in load_checkpoint(good)[0].state_dict().values())
+    with pytest.raises(GptforgeError, match=r"steps in a row with a non-finite loss "):
+        train(tiny_cfg(data_dir, *overrides), tmp_path / "r", resume="auto")
     metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
     assert "NaN" not in metrics and "Infinity" not in metrics
 
