@@ -74,7 +74,13 @@ def test_the_classifier_keeps_real_functions_and_removes_garbage(tmp_path):
     scores = m["report"]["quality"]
     assert scores["count"] == 40 and sum(scores["histogram"]) == 40 and len(scores["deciles"]) == 11
     assert m["report"]["stages"]["quality"]["docs"] == len(rows) == 40 - m["splits"]["train"]["docs"]
-    assert m["settings"]["quality"] == {"reference": str(ref), "threshold": 0.3, "labels": None}
+    state = m["settings"]["quality"].pop("state")
+    assert m["settings"]["quality"] == {"reference": str(ref), "threshold": 0.3, "labels": None} and len(state) == 64
+    (ref / "more.py").write_text(_function(5000))  # REF changed: the folder is not already prepared
+    with pytest.raises(GptforgeError, match="holds data prepared with other settings \\(--quality/--quality-labels"):
+        prepare(_settings(corpus, ref, threshold=0.3), tmp_path / "out", workers=1)
+    again = prepare(_settings(corpus, ref, threshold=0.3), tmp_path / "out", workers=1, force=True)
+    assert again["settings"]["quality"]["state"] not in (None, state)
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Quality scores" in report and "First documents removed:" in report and "| quality |" in report
 

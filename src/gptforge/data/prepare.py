@@ -145,6 +145,7 @@ def prepare(
         settings,
         corpus=source_state(source, settings.extensions),
         tokenizer_sha256=tokenizer_digest(settings.tokenizer),
+        quality=_quality_state(settings),
     )
     done = finished(out, settings)
     if done is not None and not force:
@@ -182,6 +183,18 @@ def _checked_inputs(
     if first is None:
         raise GptforgeError(f"{settings.source}: empty corpus (no documents with text were found)")
     return itertools.chain([first], docs), tok, ngrams
+
+
+def _quality_state(settings: PrepareSettings) -> quality.QualitySettings:
+    """The classifier's settings with a digest of REF (its files' names, sizes and times) or of the labels file."""
+    q = settings.quality
+    if q.reference is not None:
+        try:
+            state = source_state(resolve(q.reference, settings.text_field)[0], settings.extensions)
+        except GptforgeError as e:
+            raise GptforgeError(f"--quality: {e}") from None
+        return dataclasses.replace(q, state=state[2] if state else None)
+    return dataclasses.replace(q, state=tokenizer_digest(q.labels)) if q.labels is not None else q
 
 
 def _classifier(settings: PrepareSettings) -> quality.Classifier | None:

@@ -34,6 +34,7 @@ class QualitySettings:
     reference: str | None = None
     threshold: float | None = None
     labels: str | None = None
+    state: str | None = None  # a digest of what it learns from: a changed REF or labels file is a change
 
     @property
     def flag(self) -> str | None:
