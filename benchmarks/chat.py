@@ -8,7 +8,7 @@ of steps per seed, then score each on the held-out conversations (from the valid
 - for LoRA against full: trainable parameters, peak memory (RSS) and time a step.
 
     python benchmarks/chat.py --base runs/demo --data data/stdlib [--steps 150] [--seeds 1337,1338]
-                              [--requests 64] [--rank 8] [--lora-lrs 3e-3,1e-2] [--out runs/chat-bench]
+                              [--requests 64] [--rank 8] [--lora-lrs 1e-2] [--out runs/chat-bench]
                               [--json OUT.json]
 
 Each run is its own `gptforge train` process; nothing else should run on the machine for the timings."""
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1337,1338")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lora-lrs", default="3e-3", help="LoRA's AdamW learning rates, one run each per seed")
+    parser.add_argument("--lora-lrs", default="1e-2", help="LoRA's AdamW learning rates, one run each per seed")
     parser.add_argument("--out", type=Path, default=Path("runs/chat-bench"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
