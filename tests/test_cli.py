@@ -237,8 +237,8 @@ def test_prepare_force_never_replaces_a_data_folder_holding_a_run(data_dir, corp
     (data / "myrun" / "checkpoints").mkdir(parents=True)  # what train --out DATA/myrun made before it was refused
     assert main(["prepare", str(corpus_dir), "--out", str(data), "--force", "--val-fraction", "0.2"]) == 1
     assert capsys.readouterr().err == (
-        f"gptforge prepare: error: --out {data}: holds a gptforge run ({data / 'myrun'}), which replacing the folder "
-        "would delete; move it out first\n"
+        f"gptforge prepare: error: --out {data}: holds a gptforge run or checkpoint ({data / 'myrun'}), which "
+        "replacing the folder would delete; move it out first\n"
     )
     assert (data / "myrun" / "checkpoints").is_dir()
 
@@ -253,7 +253,30 @@ def test_prepare_force_never_replaces_a_folder_that_is_a_run(corpus_dir, tmp_pat
     for source in ([str(corpus_dir)], [str(chats), "--chat"]):
         assert main(["prepare", *source, "--out", str(run), "--force", "--val-fraction", "0"]) == 1
         assert capsys.readouterr().err == (
-            f"gptforge prepare: error: --out {run}: is a gptforge run, which replacing the folder would delete; "
-            "write elsewhere\n"
+            f"gptforge prepare: error: --out {run}: is a gptforge run or checkpoint, which replacing the folder "
+            "would delete; write elsewhere\n"
         )
         assert sorted(p.name for p in run.iterdir()) == sorted([mark, "kept"])
+
+
+def test_prepare_force_never_replaces_a_checkpoint_a_run_s_checkpoints_or_a_deeper_run(corpus_dir, tmp_path, capsys):
+    ckpt = tmp_path / "best"  # a checkpoint copied out of its run
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text("{}")
+    run = tiny_run(tmp_path / "run")
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "meta.json").write_text("{}")
+    deep = tmp_path / "deep"
+    tiny_run((deep / "a" / "b").mkdir(parents=True) or deep / "a" / "b" / "run")
+    for out, said in [
+        (ckpt, "is a gptforge run or checkpoint"),
+        (run / "checkpoints", f"holds a gptforge run or checkpoint ({run / 'checkpoints' / 'step_000002'})"),
+        (deep, f"holds a gptforge run or checkpoint ({deep / 'a' / 'b' / 'run'})"),  # three levels down
+    ]:
+        assert main(["prepare", str(corpus_dir), "--out", str(out), "--force", "--val-fraction", "0"]) == 1
+        assert capsys.readouterr().err.startswith(f"gptforge prepare: error: --out {out}: {said}")
+    assert (ckpt / "meta.json").is_file() and (run / "checkpoints" / "step_000002" / "meta.json").is_file()
+    assert (deep / "a" / "b" / "run" / "metrics.jsonl").is_file()
+    (tmp_path / "afile.txt").write_text("mine")
+    assert main(["prepare", str(corpus_dir), "--out", str(tmp_path / "afile.txt"), "--force"]) == 1
+    assert capsys.readouterr().err.startswith(f"gptforge prepare: error: --out {tmp_path / 'afile.txt'}: exists and")

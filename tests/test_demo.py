@@ -140,5 +140,5 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     args[args.index("--base") + 1] = str(tmp_path / "notes")
     assert main([*args, "--force"]) == 1
-    assert capsys.readouterr().err.startswith(f"gptforge demo: error: --base {tmp_path / 'notes'}: exists and is not")
+    assert capsys.readouterr().err.startswith(f"gptforge demo: error: --base {tmp_path / 'notes'}: not a gptforge run")
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]

@@ -150,16 +150,16 @@ def test_a_folder_inside_one_read_from_or_holding_a_run_is_never_replaced(tmp_pa
     (data / "myrun" / "checkpoints").mkdir(parents=True)
     with pytest.raises(GptforgeError, match=r"^--out .*myrun: inside .*data, which this command reads; write some"):
         check_output_dir(data / "myrun", force=True, reads=[data])  # train --out DATA/myrun
-    with pytest.raises(GptforgeError, match=rf"^--out {data}: holds a gptforge run \({data / 'myrun'}\), which rep"):
+    with pytest.raises(GptforgeError, match=rf"^--out {data}: holds a gptforge run or checkpoint \({data / 'myrun'}\)"):
         check_output_dir(data, force=True)  # prepare ... --out DATA --force; its checkpoints/ mark the run
     (data / "myrun" / "checkpoints").rmdir()
     check_output_dir(data, force=True)
     (data / "runs" / "old").mkdir(parents=True)
     (data / "runs" / "old" / "metrics.jsonl").touch()
-    with pytest.raises(GptforgeError, match=rf"holds a gptforge run \({data / 'runs' / 'old'}\)"):  # two levels down
+    with pytest.raises(GptforgeError, match=rf"holds a gptforge run or checkpoint \({data / 'runs' / 'old'}\)"):
         check_output_dir(data, force=True)
     check_output_dir(data, force=True, writes_runs=True)  # speedrun: OUT/NAME-seedS are its own runs
-    with pytest.raises(GptforgeError, match=rf"^--out {data / 'runs' / 'old'}: is a gptforge run, which replacing"):
+    with pytest.raises(GptforgeError, match=rf"^--out {data / 'runs' / 'old'}: is a gptforge run or checkpoint, which"):
         check_output_dir(data / "runs" / "old", force=True)  # prepare --out RUN --force
     check_output_dir(data / "runs" / "old", force=True, is_run=True)  # demo --force, import --force: a run for a run
 
@@ -191,7 +191,7 @@ def test_a_device_fifo_or_socket_is_never_written_over(tmp_path, kind):
         check_output_file(special, force=True)
     with pytest.raises(GptforgeError, match=rf"^cannot write {special}: it is a "):
         atomic_write(special, b"x")  # plot --out, and every other file gptforge writes
-    with pytest.raises(GptforgeError, match=rf"^{special}: exists and is not a folder"):
+    with pytest.raises(GptforgeError, match=rf"^--out {special}: exists and is not a folder"):
         check_output_dir(special, force=True)
     assert os.stat(special).st_mode == before.st_mode and os.stat(special).st_ino == before.st_ino
 

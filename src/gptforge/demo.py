@@ -21,7 +21,7 @@ from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import MANIFEST
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, check_output_dir, locked, replacing_dir, to_json, write_json
+from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked, replacing_dir, to_json, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
 from gptforge.train.trainer import train
@@ -158,7 +158,12 @@ def _base_checkpoint(base_dir: Path, data_dir: Path) -> Path:
     """--base: a checkpoint folder, a run (its newest intact checkpoint), or a new folder the demo's model is
     trained into first."""
     if not (base_dir / META).exists() and latest_checkpoint(base_dir) is None:
-        check_output_dir(base_dir, force=False, flag="--base", is_run=True)  # never train over the user's files
+        if not is_empty_dir(base_dir):  # a file, or a folder of the user's: never trained over
+            raise GptforgeError(
+                f"--base {base_dir}: not a gptforge run or checkpoint (no checkpoints/ or {META}); name one, or a new "
+                "folder to train the demo's model into"
+            )
+        check_output_dir(base_dir, force=False, flag="--base", is_run=True)
         print(f"no trained model in {base_dir}: training the demo's first", flush=True)
         run_demo(str(base_dir), str(data_dir), None, [])
     return resolve_checkpoint(base_dir)

@@ -105,9 +105,10 @@ def _refuse_special(path: Path, what: str) -> None:
         raise GptforgeError(f"{what}: it is {kind}, not a file (gptforge writes only files and folders it may replace)")
 
 
-def _refuse_non_folder(final: Path) -> None:
+def _refuse_non_folder(final: Path, flag: str = "") -> None:
     if final.exists() and not final.is_dir():
-        raise GptforgeError(f"{final}: exists and is not a folder (expected a folder to write or replace)")
+        where = f"{flag} {final}".strip()
+        raise GptforgeError(f"{where}: exists and is not a folder (expected a folder to write or replace)")
 
 
 def swap_dir(tmp: Path, final: Path) -> Path:
@@ -185,7 +186,7 @@ LOCK = ".lock"
 """The file `locked` holds in a run or data folder; it does not make the folder non-empty."""
 METRICS = "metrics.jsonl"
 """A run's log (rundir): with its checkpoints/ folder, what marks a folder as a gptforge run."""
-RUN_MARKS = (METRICS, "checkpoints")
+RUN_MARKS = (METRICS, "checkpoints", "meta.json")  # meta.json: a checkpoint's own folder
 
 
 def is_empty_dir(path: str | Path) -> bool:
@@ -217,15 +218,16 @@ def check_output_dir(
             raise GptforgeError(f"{flag} {out}: {how} {source}, which this command reads; write somewhere else")
         if resolved in target.parents:  # a run inside its data folder: a later prepare --force would delete it
             raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")
-    _refuse_non_folder(out)
+    _refuse_non_folder(out, flag)
     if not is_run and _is_run(out):
         raise GptforgeError(
-            f"{flag} {out}: is a gptforge run, which replacing the folder would delete; write elsewhere"
+            f"{flag} {out}: is a gptforge run or checkpoint, which replacing the folder would delete; write elsewhere"
         )
     run = None if writes_runs else _run_inside(out)
     if run is not None:
         raise GptforgeError(
-            f"{flag} {out}: holds a gptforge run ({run}), which replacing the folder would delete; move it out first"
+            f"{flag} {out}: holds a gptforge run or checkpoint ({run}), which replacing the folder would delete; "
+            "move it out first"
         )
     if not force and not is_empty_dir(out):
         raise GptforgeError(
@@ -277,9 +279,11 @@ def _is_run(folder: Path) -> bool:
 
 
 def _run_inside(folder: Path) -> Path | None:
-    """A gptforge run one or two levels below `folder` (a run folder's own checkpoints are not another run)."""
-    marks = (folder.glob(f"{depth}{mark}") for depth in ("*/", "*/*/") for mark in RUN_MARKS)
-    return next((found.parent for found in itertools.chain.from_iterable(marks)), None)
+    """A gptforge run or checkpoint one to three levels below `folder` (a run's checkpoints are not other runs)."""
+    own = folder / "checkpoints" if _is_run(folder) else None
+    marks = (folder.glob(f"{depth}{mark}") for depth in ("*/", "*/*/", "*/*/*/") for mark in RUN_MARKS)
+    found = (p.parent for p in itertools.chain.from_iterable(marks) if own is None or own not in p.parents)
+    return next(found, None)
 
 
 def check_output_file(out: str | Path, force: bool, reads: Iterable[str | Path] = (), flag: str = "--out") -> None:
