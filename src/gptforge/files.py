@@ -274,7 +274,7 @@ def require_regular_file(path: str | Path, flag: str) -> Path:
 
 
 def _is_run(folder: Path) -> bool:
-    """True for a folder holding a run's log or checkpoints."""
+    """True for a run's folder (its log or checkpoints/) or a checkpoint's own (its meta.json)."""
     return folder.is_dir() and any((folder / mark).exists() for mark in RUN_MARKS)
 
 
