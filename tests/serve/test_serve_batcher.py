@@ -197,19 +197,29 @@ def test_choices_and_requests_each_draw_their_own_stream_and_a_seed_repeats_its_
     assert len({t for pair in texts[1:] for t in pair}) == 6, texts  # every other choice its own
 
 
-def test_one_draw_a_step_takes_every_choice_the_rows_and_those_past_the_context(run, monkeypatch):
-    """Sampling a row at a time cost its fixed overhead per row; a choice past the context still draws as alone."""
+def test_one_forward_and_one_draw_a_step_take_every_choice_the_rows_and_those_past_the_context(run, monkeypatch):
+    """Sampling a row at a time cost its fixed overhead per row, and so did a forward for each choice past the
+    context; each such choice still writes what it writes alone."""
     import gptforge.serve.batcher as batcher_module
 
-    past = {"prompt": "x = 1\n" * 12, "max_tokens": 6, "temperature": 0.9, "seed": 5}  # 36 tokens: past 32
-    alone = Request(b := Batcher(8, threading.Event()), run, **past)
-    drain(b, alone)
-    draws = []
-    real = batcher_module.sample_rows
-    monkeypatch.setattr(batcher_module, "sample_rows", lambda logits, *a: draws.append(len(logits)) or real(logits, *a))
+    past = [  # 36 tokens and more: past the 32-token context
+        {"prompt": "x = 1\n" * 12, "max_tokens": 6, "temperature": 0.9, "seed": 5},
+        {"prompt": "def f(a):\n    return a\n" * 4, "max_tokens": 6, "temperature": 1.1, "seed": 6},
+    ]
+    alone = []
+    for body in past:
+        alone.append(Request(b := Batcher(8, threading.Event()), run, **body))
+        drain(b, alone[-1])
+    draws, forwards = [], []
+    sample, forward = batcher_module.sample_rows, batcher_module.forward_logits
+    monkeypatch.setattr(batcher_module, "sample_rows", lambda x, *a: draws.append(len(x)) or sample(x, *a))
+    monkeypatch.setattr(batcher_module, "forward_logits", lambda m, x, c: forwards.append(len(x)) or forward(m, x, c))
     batcher = Batcher(8, threading.Event())
-    requests = [Request(batcher, run, **past), Request(batcher, run, prompt="def", max_tokens=6, temperature=0, n=2)]
+    greedy = Request(batcher, run, prompt="def", max_tokens=6, temperature=0, n=2)
+    requests = [Request(batcher, run, **body) for body in past]
     batcher.step()  # each choice's first two tokens: one from its prefill, one from the first decode
     draws.clear()
-    drain(batcher, *requests)
-    assert draws == [3] * 4 and requests[0].text() == alone.text()
+    forwards.clear()
+    drain(batcher, greedy, *requests)
+    assert draws == [4] * 4 and forwards == [2, 2] * 4
+    assert [r.text() for r in requests] == [r.text() for r in alone] and all(r.text() for r in alone)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptforge.errors import GptforgeError
@@ -16,6 +17,7 @@ from gptforge.model.gpt import GPT
 from gptforge.model.kv_cache import KVCache, RowCache
 
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CDF_BLOCK = 256  # columns a draw sums at once: its cumulative sum runs over block totals, then inside one block
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,8 @@ def _most_likely(x: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(x: torch.Tensor, rules: list[Sampling], uniforms: torch.Tensor) -> torch.Tensor:
-    """Each row's token at its uniform, in float32 (float64 took twice as long): softmax and cumsum go row by
-    row, so a row's token does not depend on the rows beside it."""
+    """Each row's token at its uniform, in float32 (float64 took twice as long): every sum goes row by row,
+    so a row's token does not depend on the rows beside it."""
     column = functools.partial(torch.tensor, device=x.device, dtype=x.dtype)
     # Relative to the row's maximum, a temperature below float32's smallest normal (tiny) sends every logit not
     # tied with the maximum to -inf rather than the maximum to inf (0 / 0 is NaN): 1e-40 is greedy in effect.
@@ -89,12 +91,30 @@ def _draw(x: torch.Tensor, rules: list[Sampling], uniforms: torch.Tensor) -> tor
         # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
         outside = (probs.cumsum(dim=-1) - probs > top_p) & (top_p < 1.0)
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(outside, float("-inf")))
+    return _invert(torch.softmax(x, dim=-1), uniforms)
+
+
+def _invert(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's first token whose cumulative probability reaches 1 - u of the row's total. A cumsum over the
+    whole vocabulary is a serial pass per row (half of a draw's time at 50,257 columns): block totals come first,
+    then a cumsum over the block totals and over the one block holding the target."""
+    rows, vocab = probs.shape
+    full = vocab - vocab % CDF_BLOCK
+    mass = probs[:, :full].view(rows, -1, CDF_BLOCK).sum(dim=-1)
+    if full < vocab:
+        mass = torch.cat((mass, probs[:, full:].sum(dim=-1, keepdim=True)), dim=-1)
+    ends = mass.cumsum(dim=-1)
+    _check_finite(ends[:, -1])  # a NaN or +inf logit makes its row's total NaN
     # Float32 bounds: a token's share of [0, total) is its probability to within a float32 step of the total.
-    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1)
-    _check_finite(cdf[:, -1])  # a NaN or +inf logit makes its row's total NaN
-    # 1 - u is in (0, 1]: scaled by the total mass, the first index reaching it has a probability above zero.
-    target = (1.0 - uniforms).to(cdf)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=vocab - 1)
+    # 1 - u is in (0, 1], so the target is above zero and at most the total: some block reaches it.
+    target = (1.0 - uniforms).to(ends)[:, None] * ends[:, -1:]
+    block = torch.searchsorted(ends, target)
+    columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+    cdf = probs.gather(-1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0).cumsum(dim=-1)
+    # Blocks before this one end below the target, so the rest is above zero and the first column reaching it
+    # has mass. Rounding can leave the rest past the block's own cumsum: then the first column reaching its end.
+    rest = torch.minimum(target - F.pad(ends, (1, 0)).gather(-1, block), cdf[:, -1:])
+    return columns.gather(-1, torch.searchsorted(cdf, rest)).squeeze(-1)
 
 
 def _check_finite(values: torch.Tensor) -> None:

@@ -216,8 +216,8 @@ class Batcher:
         return prefill
 
     def _decode(self) -> None:
-        """One token for every choice in the batch: the rows in one forward, those past the context one by one, then
-        every choice's token in one draw."""
+        """One token for every choice in the batch: the cached rows in one forward, those past the context in another,
+        then every choice's token in one draw."""
         for choice in [*self._rows, *self._past]:
             if choice.task.job.cancel.is_set():
                 self._cancel(choice.task)
@@ -238,8 +238,8 @@ class Batcher:
             if rows:
                 idx = torch.tensor([[c.ids[-1]] for c in rows], device=run.device)
                 logits.append(forward_logits(run.model, idx, self._cache)[:, -1])
-            for choice in past:  # one forward each: batched, their float32 logits round differently (~1e-6)
-                idx = torch.tensor([choice.ids[-block:]], device=run.device)
+            if past:  # each exactly block_size tokens; batched, its logits round as the cached rows' do (~1e-7)
+                idx = torch.tensor([c.ids[-block:] for c in past], device=run.device)
                 logits.append(forward_logits(run.model, idx, None)[:, -1])
         # One draw for all: a draw per row past the context paid sample_rows' fixed cost once for each.
         for choice, token in zip(rows + past, self._sample(rows + past, torch.cat(logits)) or [], strict=False):
