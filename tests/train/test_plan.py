@@ -11,6 +11,7 @@ from tests.helpers import cli
 from gptforge.cli import main
 from gptforge.config import load_config
 from gptforge.errors import GptforgeError
+from gptforge.runtime.flops import GPU_PEAK_TFLOPS
 from gptforge.train.plan import GIB, Hardware, Memory, check_fits, format_report, hours, memory, plan, report
 
 # benchmarks/RESULTS.md: `gptforge bench` on one H100 SXM, bf16, compiled, 64 x 1024 tokens a micro-step.
@@ -158,3 +159,11 @@ def test_the_plan_command_prints_a_table_or_json_and_refuses_bad_flags_in_one_li
     for bad in (*bad_flags, ["--nodes", "9" * 400], ["--set", f"train.max_steps={10**300}"]):
         done = subprocess.run(cli("plan", *bad), capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (bad, done.stderr)
+
+
+def test_a_float32_run_is_timed_against_the_h100_s_tf32_peak_unless_one_is_given():
+    bf16, fp32 = (load_config("gpt2-124m", [f"train.dtype={d}"]) for d in ("bfloat16", "float32"))
+    half, tf32 = GPU_PEAK_TFLOPS["H100"]
+    assert hours(fp32, Hardware())[0] / hours(bf16, Hardware())[0] == pytest.approx(half / tf32)
+    assert f"MFU of {tf32:g} TFLOP/s" in format_report(report(fp32, "gpt2-124m", Hardware()))
+    assert hours(fp32, Hardware(peak_tflops=100.0)) == hours(bf16, Hardware(peak_tflops=100.0))  # a stated peak

@@ -237,7 +237,10 @@ def _add_run_commands(sub) -> None:
     # Bounded so that the time stays a finite, non-zero figure: peak x 1e12 overflows past 1e296, and an MFU of 5e-324
     # makes it infinite.
     s.add_argument(
-        "--peak-tflops", type=at_least(1.0, float, high=1e6), default=989.4, help="one GPU's peak (H100 bf16)"
+        "--peak-tflops",
+        type=at_least(1.0, float, high=1e6),
+        default=0.0,
+        help="one GPU's peak (default: an H100's, 989.4 in bf16, 494.7 in tf32 for train.dtype=float32)",
     )
     s.add_argument(
         "--mfu", type=at_least(1e-6, float, high=1.0), default=0.38, help="share of the peak reached (default 0.38)"

@@ -16,6 +16,7 @@ from gptforge.config import Config
 from gptforge.config.rules import validate
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPTConfig
+from gptforge.runtime.flops import GPU_PEAK_TFLOPS
 
 STRATEGIES = ("ddp", "zero", "fsdp")  # train.parallel=ddp, ddp with train.zero=true, train.parallel=fsdp
 GIB = 2**30
@@ -31,8 +32,8 @@ class Hardware:
     nodes: int = 1
     memory_gib: float = 80.0
     """Memory of one GPU."""
-    peak_tflops: float = 989.4
-    """One GPU's dense peak in the run's precision (H100 SXM bf16)."""
+    peak_tflops: float = 0.0
+    """One GPU's dense peak in the run's precision (0: an H100 SXM's, bf16 or tf32 for a float32 run)."""
     mfu: float = 0.38
     """The share of the peak the step reaches (gptforge measured 38.2% for gpt2-124m on an H100)."""
 
@@ -180,8 +181,18 @@ def plan(cfg: Config, strategy: str, hardware: Hardware) -> Plan:
     )
 
 
+def with_peak(cfg: Config, hardware: Hardware) -> Hardware:
+    """`hardware` with its peak stated: an H100 SXM's in the run's precision unless given (float32 matmuls run in
+    tf32, at half the bf16 rate)."""
+    if hardware.peak_tflops:
+        return hardware
+    bf16, tf32 = GPU_PEAK_TFLOPS["H100"]
+    return dataclasses.replace(hardware, peak_tflops=tf32 if cfg.train.dtype == "float32" else bf16)
+
+
 def hours(cfg: Config, hardware: Hardware) -> tuple[float, float]:
     """(wall-clock hours, GPU-hours) for the config's token budget at the hardware's MFU."""
+    hardware = with_peak(cfg, hardware)
     tokens = float(cfg.train.max_steps) * cfg.train.batch_tokens
     seconds = cfg.model.flops_per_token() * tokens / (hardware.world * hardware.peak_tflops * 1e12 * hardware.mfu)
     return seconds / 3600, seconds * hardware.world / 3600
@@ -212,6 +223,7 @@ def check_fits(cfg: Config, processes: int, memory_gib: float) -> None:
 
 def report(cfg: Config, name: str, hardware: Hardware) -> dict:
     """What `gptforge plan` prints, as data: the config, the hardware, each strategy's plan and the time."""
+    hardware = with_peak(cfg, hardware)
     wall, gpu_hours = hours(cfg, hardware)
     return {
         "config": name,
