@@ -161,9 +161,11 @@ def test_the_plan_command_prints_a_table_or_json_and_refuses_bad_flags_in_one_li
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (bad, done.stderr)
 
 
-def test_a_float32_run_is_timed_against_the_h100_s_tf32_peak_unless_one_is_given():
+def test_a_float32_run_is_timed_against_the_h100_s_tf32_peak_unless_one_is_given(capsys):
     bf16, fp32 = (load_config("gpt2-124m", [f"train.dtype={d}"]) for d in ("bfloat16", "float32"))
     half, tf32 = GPU_PEAK_TFLOPS["H100"]
     assert hours(fp32, Hardware())[0] / hours(bf16, Hardware())[0] == pytest.approx(half / tf32)
     assert f"MFU of {tf32:g} TFLOP/s" in format_report(report(fp32, "gpt2-124m", Hardware()))
     assert hours(fp32, Hardware(peak_tflops=100.0)) == hours(bf16, Hardware(peak_tflops=100.0))  # a stated peak
+    main(["plan", "--set", "train.dtype=float32"])
+    assert f"MFU of {tf32:g} TFLOP/s" in capsys.readouterr().out
