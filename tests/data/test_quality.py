@@ -182,3 +182,15 @@ def test_bad_quality_labels_are_one_line_naming_the_row(tmp_path, rows, match):
     assert not (tmp_path / "o").exists()
     with pytest.raises(GptforgeError, match="--quality ref and --quality-labels .*: pass one of them"):
         PrepareSettings.from_flags(str(corpus), quality=QualitySettings("ref", labels=str(labels)))
+
+
+def test_a_classifier_that_leaves_nothing_is_named_even_after_a_filter_removed_a_document(tmp_path):
+    """The filters' message ("--clean code removed every document") named a filter that had removed 1 of 41."""
+    ref, corpus = _folders(tmp_path, n_real=40, n_junk=0)
+    (corpus / "long.py").write_text("x = 1  # " + "y" * 5000 + "\n")  # one line past code.max_line_length
+    settings = PrepareSettings.from_flags(
+        str(corpus), val_fraction=0, dedup="none", clean="code", quality=QualitySettings(str(ref), 0.999)
+    )
+    with pytest.raises(GptforgeError, match=r"--quality removed 40 of 41 documents and nothing else is left"):
+        prepare(settings, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()

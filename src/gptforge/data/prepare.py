@@ -277,11 +277,13 @@ def _build(
 
 
 def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], report: Report) -> None:
-    """One line when nothing is left to train on: the filter that removed most, or why the corpus is empty."""
+    """One line when nothing is left to train on: the stage (the classifier, or the filter) that removed most, or
+    why the corpus is empty."""
     source = settings.source
     if writers["train"].docs:
         return
-    if report.filters and not writers["val"].docs:
+    filtered = sum(n for n, _ in report.filters.values())
+    if report.filters and filtered >= report.docs["quality"] and not writers["val"].docs:
         rule, (n, _) = max(report.filters.items(), key=lambda item: item[1][0])
         counts = ", ".join(f"{name} {d:,}" for name, (d, _) in report.filters.items())
         raise GptforgeError(
