@@ -14,13 +14,14 @@ import httpx
 import pytest
 from tests.serve.server import server_process, serving
 
+from gptforge.cli.parser import build_parser
 from gptforge.errors import GptforgeError
 from gptforge.serve.engine import Engine
 from gptforge.serve.jobs import Failed, Job
-from gptforge.serve.protocol import Limits, parse_completion
+from gptforge.serve.protocol import Limits, host_name, parse_completion
 
 testclient = pytest.importorskip("starlette.testclient")
-from gptforge.serve.app import build_app, host_name, hosts_for  # noqa: E402 - needs the serve extra
+from gptforge.serve.app import build_app, hosts_for  # noqa: E402 - needs the serve extra
 
 READ_TIMEOUT = 0.5  # --read-timeout of the real server below: small, so the tests are quick
 PATIENCE = 10.0  # how long a test waits for what READ_TIMEOUT should do: 20x, for a machine busy with other work
@@ -51,9 +52,22 @@ def test_a_malformed_host_header_is_no_name(header):
     assert host_name(header) == ""
 
 
-def test_an_empty_allow_host_is_refused():
-    with pytest.raises(GptforgeError, match="--allow-host"):
-        hosts_for("127.0.0.1", (":8000",))
+@pytest.mark.parametrize("value", [":8000", "a b", "box\n.lan", "ex*ample.lan", "bücher.example", "[fd00::zz]"])
+def test_an_allow_host_no_host_header_can_carry_is_refused_at_parse_time_in_one_line(tmp_path, capsys, value):
+    """Such a name matched no request: the server started, then refused every user who came by that name."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["serve", str(tmp_path), "--allow-host", value])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1, err
+    assert "argument --allow-host: expected a host name such as myhost.lan" in err and repr(value) in err, err
+    with pytest.raises(GptforgeError, match="--allow-host"):  # serve() called as a library function
+        hosts_for("127.0.0.1", (value,))
+
+
+def test_the_allow_host_forms_a_host_header_carries_are_accepted():
+    values = ["Box.LAN:8000", "[fd00::2]", "fd00::2", "10.0.0.1", "*", "my_host", "myhost.lan."]
+    args = build_parser().parse_args(["serve", ".", *(f"--allow-host={value}" for value in values)])
+    assert args.allow_host == values
 
 
 def test_a_request_for_another_host_is_refused_on_every_route_naming_the_flag(tmp_path):

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from gptforge import __version__, commands
-from gptforge.cli.types import Parser, at_least, file_name, positive_ints, probability, seed_value
+from gptforge.cli.types import Parser, at_least, file_name, host_allowed, positive_ints, probability, seed_value
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
 from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
@@ -316,6 +316,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument(
         "--allow-host",
         action="append",
+        type=host_allowed,
         default=[],
         metavar="NAME",
         help="answer requests whose Host is NAME too ('*': any); by default only the --host address's names",

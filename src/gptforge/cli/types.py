@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+from gptforge.serve.protocol import allowed_host
+
 # Flags whose value may start with '-' (`--ext -md` drops a kind): argparse would read such a value as a flag.
 DASH_VALUE_FLAGS = ("--ext",)
 
@@ -42,6 +44,15 @@ def positive_ints(text: str) -> tuple[int, ...]:
     if any(k <= 0 for k in ks):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return ks
+
+
+def host_allowed(text: str) -> str:
+    """--allow-host: a name a Host header can carry (the server reads it again as it starts)."""
+    try:
+        allowed_host(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}, got {text!r}") from None
+    return text
 
 
 def at_least(low: float, kind: type = int, high: float | None = None):

@@ -28,7 +28,7 @@ from gptforge.errors import GptforgeError
 from gptforge.runtime.device import resolve_device
 from gptforge.serve import api, page
 from gptforge.serve.engine import Engine
-from gptforge.serve.protocol import ApiError, Limits
+from gptforge.serve.protocol import ApiError, Limits, allowed_host, host_arg, host_name
 from gptforge.serve.runs import check_root, find_sources
 
 GUARDED = ("/v1/", "/api/", "/infill")  # the page and its static files load without the key; the page then asks for it
@@ -58,36 +58,17 @@ class Hosts:
 def hosts_for(host: str, allowed: tuple[str, ...] = ()) -> Hosts:
     """The Host names of a server bound to --host `host`: loopback's names, that address, or any IP address and
     localhost when bound to every address; plus the --allow-host names."""
-    names = {"*" if name == "*" else _host_arg(name) for name in allowed}
-    if "" in names:
-        bad = next(name for name in allowed if not _host_arg(name))
-        raise GptforgeError(f"--allow-host {bad!r}: expected a host name such as myhost.lan (or '*': any)")
-    bound = _host_arg(host)
+    names = set()
+    for name in allowed:
+        try:
+            names.add(allowed_host(name))
+        except ValueError as e:
+            raise GptforgeError(f"--allow-host {name!r}: {e}") from None
+    bound = host_arg(host)
     every = bound in EVERY_ADDRESS
     if every or _is_loopback(bound):
         names |= LOOPBACK
     return Hosts(frozenset(names | {bound} - {""}), any_ip=every)
-
-
-def host_name(header: str) -> str:
-    """A Host header's name, without its port: 'Example.org:8000' -> 'example.org', '[::1]:8000' -> '::1'; ''
-    for a malformed one ('127.0.0.1:80@evil.example', '[::1', 'localhost:abc'), which no browser sends."""
-    header = header.strip()
-    if header.startswith("["):
-        name, closed, port = header[1:].partition("]")
-        if not closed:
-            return ""
-    else:
-        name, colon, port = header.partition(":")
-        port = colon + port
-    if port and not (port[0] == ":" and port[1:].isdigit() and port[1:].isascii()):
-        return ""
-    return name.strip().lower().removesuffix(".")
-
-
-def _host_arg(value: str) -> str:
-    """A --host or --allow-host value as host_name gives it (an IPv6 address may come without its brackets)."""
-    return host_name(f"[{value}]" if value.count(":") > 1 and not value.startswith("[") else value)
 
 
 def _is_loopback(host: str) -> bool:

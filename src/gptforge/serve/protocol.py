@@ -1,8 +1,10 @@
 """The OpenAI completions protocol: a request checked against the server's limits, errors in OpenAI's body,
-and the response and stream-chunk objects."""
+and the response and stream-chunk objects; the Host names a request may give (imported by the CLI's flag check
+too, which must work without the serve extra)."""
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,3 +300,43 @@ def assistant(text: str) -> dict:
 
 COMPLETION = Shape("cmpl", "text_completion", "text_completion", chat=False)
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+HOST_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-._")  # a DNS name's, and the '_' some LANs use
+
+
+def host_name(header: str) -> str:
+    """A Host header's name, without its port: 'Example.org:8000' -> 'example.org', '[::1]:8000' -> '::1'; ''
+    for a malformed one ('127.0.0.1:80@evil.example', '[::1', 'localhost:abc'), which no browser sends."""
+    header = header.strip()
+    if header.startswith("["):
+        name, closed, port = header[1:].partition("]")
+        if not closed:
+            return ""
+    else:
+        name, colon, port = header.partition(":")
+        port = colon + port
+    if port and not (port[0] == ":" and port[1:].isdigit() and port[1:].isascii()):
+        return ""
+    return name.strip().lower().removesuffix(".")
+
+
+def host_arg(value: str) -> str:
+    """A --host or --allow-host value as host_name gives it (an IPv6 address may come without its brackets)."""
+    return host_name(f"[{value}]" if value.count(":") > 1 and not value.startswith("[") else value)
+
+
+def allowed_host(value: str) -> str:
+    """An --allow-host value as host_name gives it ('*': any), else ValueError: a name no Host header can carry (a
+    space, a control character, none at all) would match no request, and its users would all be refused."""
+    name = value if value == "*" else host_arg(value)
+    if name == "*" or (name and set(name) <= HOST_NAME_CHARS):
+        return name
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        raise ValueError(
+            "expected a host name such as myhost.lan (letters, digits, '-', '.', '_'; a :PORT is ignored), "
+            "an IP address or '*' (any)"
+        ) from None
+    return name
