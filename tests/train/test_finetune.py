@@ -11,7 +11,7 @@ from tests.helpers import losses
 from tests.train.test_distributed import ENV, TIMEOUT, torchrun
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
-from gptforge.config import load_config
+from gptforge.config import config_from_dict, load_config, to_dict
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.errors import GptforgeError
 from gptforge.rundir import read_metrics
@@ -186,3 +186,12 @@ def test_a_lora_rank_past_the_layers_width_and_an_overflowing_alpha_are_refused(
     assert adapt(GPT(full.model), full).startswith("LoRA: rank 32 ")
     with pytest.raises(GptforgeError, match=r"train.lora_alpha=1e\+300 \(expected in \(0, 65536\]\)"):
         load_config("tiny", [*lora, "train.lora_alpha=1e300"])  # alpha / rank overflowed: every step skipped
+
+
+@pytest.mark.parametrize("setting", ["train.lora_alpha=32", "train.lora_dropout=0.1", "train.lora_targets=mlp.c_fc"])
+def test_a_lora_setting_without_a_rank_is_refused_naming_it(setting):
+    with pytest.raises(GptforgeError, match=rf"^{setting} has no effect without train.lora_rank \(0: every weight"):
+        load_config("tiny", [setting])
+    saved = to_dict(load_config("tiny", [setting, "train.lora_rank=4", "train.init_from=base"]))
+    assert config_from_dict(saved).train.lora_rank == 4  # a LoRA run's saved config resumes
+    assert load_config("tiny", ["train.init_from=base"]).train.lora_rank == 0  # a full fine-tune

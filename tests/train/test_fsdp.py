@@ -87,8 +87,9 @@ def test_a_run_resumes_on_another_number_of_processes_as_if_never_stopped(runs, 
 
 @pytest.mark.slow
 def test_fsdp_trains_the_modern_block_as_one_process_does(data_dir, tmp_path):
-    alone = one_process(data_dir, tmp_path / "one", "train.parallel=fsdp", *MODERN)
-    assert "train.parallel=fsdp with one process: nothing to shard" in alone  # said once, then it trains as usual
+    alone = one_process(data_dir, tmp_path / "one", "train.parallel=fsdp", "checkpoint.async_save=true", *MODERN)
+    # Said once, then it trains as usual.
+    assert "nothing to shard, it trains as one process would (checkpoint.async_save too: each checkpoint" in alone
     fsdp(data_dir, tmp_path / "fsdp", 2, *MODERN)
     assert_same_run(tmp_path / "one", tmp_path / "fsdp")
 
@@ -131,6 +132,8 @@ def test_optimizer_state_converts_between_positions_and_names_both_ways():
         (["train.parallel=fsdp", "train.zero=true"], "FSDP already shards the optimizer's state; drop train.zero"),
         (["train.parallel=fsdp", "optim.optimizer=muon"], "optim.optimizer=muon with train.parallel=fsdp"),
         (["train.parallel=zero3"], "train.parallel"),
+        (["checkpoint.async_save=true"], r"^checkpoint.async_save=true needs train.parallel=fsdp: only sharded "),
+        (["checkpoint.async_save=true", "train.parallel=ddp", "train.zero=true"], "async_save=true needs"),
     ],
 )
 def test_fsdp_refuses_what_it_cannot_combine_in_one_line(settings, message):

@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from gptforge.config.sections import PARALLEL, SCHEDULES, Config
+from gptforge.config.sections import PARALLEL, SCHEDULES, Config, TrainConfig
 from gptforge.data.chat.template import TEMPLATE_NAME
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
@@ -129,6 +129,13 @@ def _combination_problem(cfg: Config) -> str | None:
         return str(e)
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
+    if cfg.checkpoint.async_save and cfg.train.parallel != "fsdp":
+        return (
+            "checkpoint.async_save=true needs train.parallel=fsdp: only sharded checkpoints are written in the "
+            "background (drop checkpoint.async_save)"
+        )
+    if not cfg.train.lora_rank and (unused := _unused_lora_setting(cfg.train)):
+        return unused
     if cfg.train.lora_rank and not cfg.train.init_from:
         return "train.lora_rank needs train.init_from: adapters fine-tune a trained model's frozen weights"
     if cfg.train.lora_rank and cfg.train.parallel == "fsdp":
@@ -140,4 +147,15 @@ def _combination_problem(cfg: Config) -> str | None:
             "optim.optimizer=muon with train.parallel=fsdp: Muon orthogonalises whole matrices and FSDP shards them "
             "(not supported yet); use optim.optimizer=adamw, or train.parallel=ddp"
         )
+    return None
+
+
+def _unused_lora_setting(train: TrainConfig) -> str | None:
+    """A LoRA setting changed from its default in a run without adapters (it would be silently ignored), or None."""
+    default = TrainConfig()
+    for key in ("lora_alpha", "lora_dropout", "lora_targets"):
+        value = getattr(train, key)
+        if value != getattr(default, key):
+            said = f"{value:g}" if isinstance(value, float) else value
+            return f"train.{key}={said} has no effect without train.lora_rank (0: every weight is trained)"
     return None

@@ -273,7 +273,8 @@ def build(
     else:
         train_model = wrap(torch.compile(model) if cfg.train.compile else model, env, device)
     if cfg.train.parallel == "fsdp" and not env.distributed:
-        notes.append("train.parallel=fsdp with one process: nothing to shard, it trains as one process would")
+        in_step = " (checkpoint.async_save too: each checkpoint is written in step)" * cfg.checkpoint.async_save
+        notes.append(f"train.parallel=fsdp with one process: nothing to shard, it trains as one process would{in_step}")
     optimizer = build_optimizer(model, cfg.optim, device.type, cfg.train.zero and env.distributed, dtype)
     # fp16 (GPUs without bf16) needs loss scaling; for bf16 and fp32 the scaler is a pass-through.
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16 and device.type == "cuda")
