@@ -87,6 +87,26 @@ def test_a_request_for_another_host_is_refused_on_every_route_naming_the_flag(tm
     assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
 
 
+@pytest.mark.parametrize(
+    ("asked", "refused"),
+    [
+        ({"Origin": "https://evil.example"}, "origin"),
+        ({"Access-Control-Request-Method": "DELETE"}, "method"),
+        ({"Access-Control-Request-Headers": "X-Other"}, "headers"),
+    ],
+)
+def test_a_refused_cors_preflight_is_in_openai_form_and_an_allowed_one_is_unchanged(tmp_path, asked, refused):
+    client = testclient.TestClient(build_app(tmp_path, cors=("https://ok.example",)))
+    allowed = {"Origin": "https://ok.example", "Access-Control-Request-Method": "POST"}
+    r = client.options("/v1/completions", headers={**allowed, **asked})
+    error = r.json()["error"]
+    assert (r.status_code, r.headers["content-type"], error["code"]) == (400, "application/json", "cors_refused")
+    assert f"its {refused} not allowed" in error["message"] and "--cors" in error["message"], error
+    ok = client.options("/v1/completions", headers=allowed)
+    assert (ok.status_code, ok.text, ok.headers["access-control-allow-origin"]) == (200, "OK", "https://ok.example")
+    assert ok.headers["access-control-allow-methods"] == "GET, POST"
+
+
 @pytest.fixture
 def client(tmp_path):
     return testclient.TestClient(build_app(tmp_path))

@@ -19,8 +19,10 @@ import h11
 import torch
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -34,6 +36,8 @@ from gptforge.serve.runs import check_root, find_sources
 GUARDED = ("/v1/", "/api/", "/infill")  # the page and its static files load without the key; the page then asks for it
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 EVERY_ADDRESS = ("0.0.0.0", "::", "")
+CORS_METHODS = ("GET", "POST")  # what --cors lets another site's page do: the API's routes and the page's JSON
+CORS_HEADERS = ("Authorization", "Content-Type")
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,25 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in OpenAI's form like every other error (Starlette's
+    is plain text); its status stays Starlette's 400, and an allowed preflight is Starlette's answer unchanged."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")  # e.g. "origin, method"
+        origin, method = request_headers["origin"], request_headers["access-control-request-method"]
+        message = (
+            f"CORS preflight refused: its {refused} not allowed (Origin {origin!r}, method {method!r}); this server "
+            f"allows the origins given to --cors, the methods {', '.join(CORS_METHODS)} and the headers "
+            f"{', '.join(CORS_HEADERS)}"
+        )
+        kept = {k: v for k, v in response.headers.items() if k not in ("content-type", "content-length")}
+        return api.error_response(ApiError(400, message, None, "cors_refused"), kept)
+
+
 def build_app(
     root: Path,
     api_key: str | None = None,
@@ -155,10 +178,10 @@ def build_app(
         middleware.insert(
             0,
             Middleware(
-                CORSMiddleware,
+                Cors,
                 allow_origins=list(cors),
-                allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
+                allow_methods=list(CORS_METHODS),
+                allow_headers=list(CORS_HEADERS),
             ),
         )
     if hosts is not None:
