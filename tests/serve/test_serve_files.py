@@ -127,7 +127,9 @@ def test_every_route_answers_cleanly_while_the_served_folder_is_gone_and_recover
     served.rename(served.parent / "moved")
     for route in ("/api/runs", "/api/runs/run/metrics", "/api/runs/run/samples", "/api/runs/run/config"):
         answer = http.get(route)
-        assert answer.status_code == 503 and "the served folder is gone" in answer.json()["error"], route
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"]) == (503, "served_folder_gone"), route
+        assert "the served folder is gone" in error["message"], route
     for answer in (http.get("/v1/models"), complete(http)):
         assert answer.status_code == 503 and "the served folder is gone" in answer.json()["error"]["message"]
     assert http.get("/").status_code == 200  # the page itself, which then shows the message
@@ -135,6 +137,19 @@ def test_every_route_answers_cleanly_while_the_served_folder_is_gone_and_recover
     assert http.get("/api/runs").json()["runs"][0]["id"] == "run"
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["run"]
     assert complete(http).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "status", "code"),
+    [("/api/runs/nope/samples", 404, "run_not_found"), ("/api/runs/run/metrics", 422, "unreadable_run_file")],
+)
+def test_the_page_routes_answer_their_errors_in_openai_form_as_the_api_does(tmp_path, route, status, code):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{not json\n")
+    answer = client(tmp_path).get(route)
+    error = answer.json()["error"]
+    assert (answer.status_code, answer.headers["content-type"], error["code"]) == (status, "application/json", code)
+    assert error["type"] == "invalid_request_error" and error["param"] is None and error["message"], error
 
 
 def test_a_link_loop_is_an_absent_file_not_a_crash(served):

@@ -16,6 +16,8 @@ from gptforge.config import config_from_dict, to_toml
 from gptforge.errors import GptforgeError
 from gptforge.files import read_jsonl, read_text
 from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics, val_sources
+from gptforge.serve.api import error_response
+from gptforge.serve.protocol import ApiError
 from gptforge.serve.runs import FolderGone, Source, find_sources
 
 STATIC = Path(__file__).parent / "static"
@@ -86,8 +88,8 @@ def routes(root: Path) -> list:
 
 
 def _errors(handler):
-    """A missing run is a 404, a run file that cannot be read (a bad line) a 422, the served folder gone a 503:
-    messages the page shows.
+    """A missing run is a 404, a run file that cannot be read (a bad line) a 422, the served folder gone a 503: in
+    OpenAI's form, as the API's errors (the page shows their message).
     The handlers are plain functions, which Starlette runs on its thread pool: reading a long metrics.jsonl
     does not hold up the tokens streaming to other clients."""
 
@@ -95,11 +97,11 @@ def _errors(handler):
         try:
             return handler(request)
         except NoSuchRun as e:
-            return JSONResponse({"error": str(e)}, status_code=404)
+            return error_response(ApiError(404, str(e), None, "run_not_found"))
         except FolderGone as e:
-            return JSONResponse({"error": str(e)}, status_code=503)
+            return error_response(ApiError(503, str(e), None, "served_folder_gone"))
         except GptforgeError as e:
-            return JSONResponse({"error": str(e)}, status_code=422)
+            return error_response(ApiError(422, str(e), None, "unreadable_run_file"))
 
     return wrapped
 
