@@ -21,7 +21,7 @@ from gptforge.serve.jobs import Failed, Job
 from gptforge.serve.protocol import Limits, host_name, parse_completion
 
 testclient = pytest.importorskip("starlette.testclient")
-from gptforge.serve.app import build_app, hosts_for  # noqa: E402 - needs the serve extra
+from gptforge.serve.app import banner, build_app, hosts_for  # noqa: E402 - needs the serve extra
 
 READ_TIMEOUT = 0.5  # --read-timeout of the real server below: small, so the tests are quick
 PATIENCE = 10.0  # how long a test waits for what READ_TIMEOUT should do: 20x, for a machine busy with other work
@@ -105,6 +105,17 @@ def test_a_refused_cors_preflight_is_in_openai_form_and_an_allowed_one_is_unchan
     ok = client.options("/v1/completions", headers=allowed)
     assert (ok.status_code, ok.text, ok.headers["access-control-allow-origin"]) == (200, "OK", "https://ok.example")
     assert ok.headers["access-control-allow-methods"] == "GET, POST"
+
+
+def test_a_run_named_with_control_characters_is_escaped_in_the_startup_line_and_its_id_is_its_name(tmp_path):
+    """A newline in a name split the line the address is read from; an escape sequence reached the terminal."""
+    line = banner("runs\n", ["my run", "a\nb", "c\x1b[2J"], "http://127.0.0.1:8000")
+    assert line == (
+        "serving 'runs\\n' (my run, 'a\\nb', 'c\\x1b[2J') at http://127.0.0.1:8000/  OpenAI API: http://127.0.0.1:8000/v1"
+    )
+    (tmp_path / "a\nb").mkdir()
+    (tmp_path / "a\nb" / "metrics.jsonl").write_text("")
+    assert testclient.TestClient(build_app(tmp_path)).get("/api/runs").json()["runs"][0]["id"] == "a\nb"
 
 
 @pytest.fixture

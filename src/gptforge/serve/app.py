@@ -12,6 +12,7 @@ import json
 import signal
 import socket
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,8 +248,7 @@ def serve(
     app = build_app(root, api_key=api_key, limits=limits, cors=cors, device=device, dtype=dtype, hosts=hosts)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}"
-    names = ", ".join(find_sources(root)) or "none yet"
-    print(f"serving {path} ({names}) at {url}/  OpenAI API: {url}/v1", flush=True)
+    print(banner(path, find_sources(root), url), flush=True)
     config = uvicorn.Config(
         app,
         http=functools.partial(BoundedH11, read_timeout=limits.read_timeout),
@@ -268,6 +268,17 @@ def serve(
     finally:
         signal.signal(signal.SIGTERM, previous)
     print("gptforge serve: stopped", file=sys.stderr, flush=True)
+
+
+def banner(path: str, names: Iterable[str], url: str) -> str:
+    """The line serve starts with, which scripts read the address from: a path or run name holding a newline or
+    another control character is shown as repr writes it, so the line stays one (the model's id is the name)."""
+    shown = ", ".join(map(_printable, names)) or "none yet"
+    return f"serving {_printable(path)} ({shown}) at {url}/  OpenAI API: {url}/v1"
+
+
+def _printable(name: str) -> str:
+    return name if name.isprintable() else repr(name)
 
 
 class Terminated(Exception):
