@@ -229,6 +229,15 @@ def test_a_file_out_ending_in_a_slash_is_one_line_and_writes_nothing(tmp_path, c
     assert not (tmp_path / "newdir").exists()
 
 
+@pytest.mark.parametrize("command", [["train"], ["bench"], ["plan"], ["demo"]])
+def test_an_empty_config_is_one_line_not_the_defaults(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([*command, "--config", ""])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --config: expected a preset name or a .toml path, got ''" in err
+
+
 def test_prepare_force_never_replaces_a_data_folder_holding_a_run(data_dir, corpus_dir, tmp_path, capsys):
     import shutil
 

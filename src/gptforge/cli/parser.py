@@ -6,7 +6,16 @@ import argparse
 import os
 
 from gptforge import __version__, commands
-from gptforge.cli.types import Parser, at_least, file_name, host_allowed, positive_ints, probability, seed_value
+from gptforge.cli.types import (
+    Parser,
+    at_least,
+    file_name,
+    host_allowed,
+    positive_ints,
+    preset_name,
+    probability,
+    seed_value,
+)
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
 from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
@@ -112,7 +121,9 @@ def _add_data_commands(sub) -> None:
 
     s = sub.add_parser("train", help="train a GPT on prepared shards")
     s.add_argument(
-        "--config", help="preset name or .toml path (default: demo-cpu; with --resume: the checkpoint's config)"
+        "--config",
+        type=preset_name,
+        help="preset name or .toml path (default: demo-cpu; with --resume: the checkpoint's config)",
     )
     s.add_argument("--data", help="prepared data folder (sets data.path)")
     s.add_argument(
@@ -218,7 +229,9 @@ def _add_run_commands(sub) -> None:
     s.set_defaults(func=commands.cmd_plot)
 
     s = sub.add_parser("bench", help="time a training step against transformers' GPT-2 in the same process")
-    s.add_argument("--config", default="demo-cpu", help="preset name or .toml path (default: demo-cpu)")
+    s.add_argument(
+        "--config", type=preset_name, default="demo-cpu", help="preset name or .toml path (default: demo-cpu)"
+    )
     _add_set_flag(s)
     s.add_argument("--steps", type=at_least(1), default=10, help="timed optimizer steps (median reported; default 10)")
     s.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
@@ -229,7 +242,9 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser(
         "plan", help="memory per GPU under ddp, zero and fsdp, the largest micro-batch, time and GPU-hours"
     )
-    s.add_argument("--config", default="gpt2-124m", help="preset name or .toml path (default: gpt2-124m)")
+    s.add_argument(
+        "--config", type=preset_name, default="gpt2-124m", help="preset name or .toml path (default: gpt2-124m)"
+    )
     _add_set_flag(s)
     s.add_argument("--gpus", type=at_least(1), default=1, help="GPUs per node (default 1)")
     s.add_argument("--nodes", type=at_least(1), default=1, help="nodes (default 1)")
@@ -273,7 +288,9 @@ def _add_run_commands(sub) -> None:
     )
     s.add_argument("--base", default="runs/demo", help="with --chat: the demo run to fine-tune (default: runs/demo)")
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
-    s.add_argument("--config", default=None, help="preset (default: modern-cpu; demo-cpu is the GPT-2 recipe)")
+    s.add_argument(
+        "--config", type=preset_name, default=None, help="preset (default: modern-cpu; demo-cpu is the GPT-2 recipe)"
+    )
     s.add_argument(
         "--time-budget", type=at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
     )

@@ -35,6 +35,13 @@ def file_name(text: str) -> str:
     return text
 
 
+def preset_name(text: str) -> str:
+    """A --config value: an empty one would quietly mean the built-in defaults."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a preset name or a .toml path, got {text!r}")
+    return text
+
+
 def positive_ints(text: str) -> tuple[int, ...]:
     """--k 1,10 -> (1, 10)."""
     try:
