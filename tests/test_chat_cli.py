@@ -1,6 +1,8 @@
 """`sample --chat` and `gptforge chat`: a chat checkpoint's replies in the terminal; a base model is refused."""
 
 import dataclasses
+import io
+import sys
 
 import pytest
 import torch
@@ -151,3 +153,30 @@ def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on_from_what_was_shown(c
     assert said[1:4] == [pieces[0], " (stopped)", "\n"]
     sent = [(m.role, m.content) for m in spy.calls[-1]]
     assert sent == [("user", "hi"), ("assistant", pieces[0]), ("user", "and you?")]
+
+
+@pytest.mark.parametrize(("command", "stream"), [("chat", "stdout"), ("chat", "stdin"), ("sample", "stdout")])
+def test_a_closed_stdout_or_stdin_is_one_line_not_a_traceback_or_silence(
+    chat_ckpt, monkeypatch, capsys, command, stream
+):
+    """`chat RUN >&-` ended in input()'s traceback, `sample RUN >&-` printed nothing and exited 0."""
+    monkeypatch.setattr(sys, stream, None)  # what Python makes of a descriptor closed at start (`>&-`, `<&-`)
+    assert main([command, str(chat_ckpt), "--max-new-tokens", "2"]) == 1
+    assert (
+        capsys.readouterr().err
+        == f"gptforge {command}: error: {stream} is closed: give it a terminal, a file or /dev/null\n"
+    )
+
+
+class ClosedPipe(io.StringIO):
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("command", ["chat", "sample"])
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_status_141(chat_ckpt, monkeypatch, capsys, command):
+    """`| head -1`: as other command-line tools, no message and 128 + SIGPIPE's number, as a shell reports it."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main([command, str(chat_ckpt), "--max-new-tokens", "2"]) == 141
+    assert capsys.readouterr().err == ""

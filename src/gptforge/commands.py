@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from gptforge.errors import GptforgeError
@@ -144,10 +145,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(to_json(result) if args.json else format_results(result))
 
 
+def _need_open(*streams: str) -> None:
+    """A stream closed as the command started (`>&-`, `<&-`) is None in Python: print() to it drops every line
+    without a word and input() fails with a traceback, so say so before loading anything."""
+    for name in streams:
+        if getattr(sys, name) is None:
+            raise GptforgeError(f"{name} is closed: give it a terminal, a file or /dev/null")
+
+
 def cmd_sample(args: argparse.Namespace) -> None:
     from gptforge.runtime.threads import use_threads
     from gptforge.sample import sample_texts
 
+    _need_open("stdout")
     use_threads(args.threads or 0)
 
     pieces = sample_texts(
@@ -179,6 +189,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from gptforge.runtime.threads import use_threads
     from gptforge.sample import ChatSettings, chat_session
 
+    _need_open("stdin", "stdout")
     use_threads(args.threads or 0)
     settings = ChatSettings(
         system=args.system,
