@@ -113,6 +113,8 @@ def test_each_folder_counts_its_own_epochs_and_serves_every_window_once_in_each(
 def test_a_one_folder_mix_is_that_folders_token_loader(tmp_path):
     make_folder(tmp_path / "only", 37, 0)  # 37 windows: epochs of 36 over 2 ranks x 3, one window skipped
     sources = parse_mix([f"{tmp_path / 'only'}=0.25"])
+    said = MixtureLoader(sources, "train", 3, T, seed=7).describe(800).splitlines()[0]
+    assert said == "data: a mix of 1 folder over the planned 800 tokens"
     for rank in range(2):
         mixed = MixtureLoader(sources, "train", 3, T, rank=rank, world_size=2, seed=7)
         plain = TokenLoader(tmp_path / "only", "train", 3, T, rank=rank, world_size=2, seed=7)

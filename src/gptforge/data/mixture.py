@@ -214,7 +214,8 @@ class MixtureLoader:
     def describe(self, tokens: int) -> str:
         """Each source's share, tokens and epochs over `tokens` training tokens: the plan printed at the start."""
         width = max(len(s.name) for s in self.sources)
-        lines = [f"data: a mix of {len(self.sources)} folders over the planned {tokens:,} tokens"]
+        n = len(self.sources)
+        lines = [f"data: a mix of {n} folder{'s' if n > 1 else ''} over the planned {tokens:,} tokens"]
         for s, ld in zip(self.sources, self.loaders, strict=True):
             mine, epoch = float(s.share) * tokens, ld.epoch_windows * self.T
             lines.append(
