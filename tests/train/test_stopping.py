@@ -12,6 +12,7 @@ import torch
 
 from gptforge.config import load_config
 from gptforge.runtime.distributed import SINGLE
+from gptforge.train import trainer
 from gptforge.train.optim import lr_at
 from gptforge.train.stopping import PLAN_AFTER, StopSignal, TimeBudget, Vote, _blocked_stack
 
@@ -191,5 +192,31 @@ def test_a_second_signal_stops_at_once_without_waiting_for_the_step(capsys):
             os.kill(os.getpid(), signal.SIGINT)
     assert exit.value.code == 128 + signal.SIGINT
     assert capsys.readouterr().err == (
-        "gptforge train: error: a second SIGINT: stopping now, without a checkpoint (the last one saved is kept)\n"
+        "gptforge train: error: a second SIGINT: stopping now, without a checkpoint (none was saved yet)\n"
     )
+
+
+def test_a_second_signal_in_training_names_the_last_checkpoint_saved(data_dir, tmp_path, monkeypatch, capsys):
+    report = trainer._report
+
+    def signalled_twice(run, batches, stats):  # at step 3, after step 2's checkpoint
+        report(run, batches, stats)
+        if run.state.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(trainer, "_report", signalled_twice)
+    settings = [
+        f"data.path={data_dir}",
+        "train.max_steps=6",
+        "checkpoint.every=2",
+        "eval.every=0",
+        "eval.tokens=64",
+        "eval.sample_tokens=0",
+        "train.peak_flops=1e12",
+    ]
+    with pytest.raises(SystemExit) as exit:
+        trainer.train(load_config("tiny", settings), tmp_path / "run")
+    assert exit.value.code == 128 + signal.SIGINT
+    kept = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert capsys.readouterr().err.endswith(f"without a checkpoint (the last one saved, {kept}, is kept)\n")

@@ -9,7 +9,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,6 +38,8 @@ class StopSignal:
     def __init__(self, env: DistEnv = SINGLE) -> None:
         self.received: int | None = None
         self.env = env
+        self.last_saved: Callable[[], Path | None] = lambda: None
+        """The newest checkpoint a resume would start from (the run's checkpointer sets it), for a second signal."""
         self._previous = {}
         self._wakeup: int | None = None
 
@@ -54,9 +58,11 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:  # a second signal: the step (a long sample or evaluation) is not waited for
+            saved = self.last_saved()
+            kept = f"the last one saved, {saved}, is kept" if saved else "none was saved yet"
             print(
                 f"gptforge train: error: a second {signal.Signals(signum).name}: stopping now, without a checkpoint "
-                "(the last one saved is kept)",
+                f"({kept})",
                 file=sys.stderr,
                 flush=True,
             )

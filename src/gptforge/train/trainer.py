@@ -94,6 +94,7 @@ def _train(
     if isinstance(run, TrainResult):  # a resumed run with nothing left to train
         return run
     state, checkpointer = run.state, run.checkpointer
+    stop.last_saved = lambda: checkpointer.last_good
     first_val = last_val = _evaluate(run) if state.step == 0 else None
     run.t_loop = time.perf_counter()
     run.s.model.train()
