@@ -52,6 +52,24 @@ def test_a_changed_tokenizer_file_is_not_resumed(tmp_path):
         prepare(settings, out, workers=1)
 
 
+def test_other_settings_are_said_value_by_value_not_as_python_objects():
+    near, web = PrepareSettings.from_flags("stdlib"), PrepareSettings.from_flags("stdlib", clean="web")
+    assert PrepareSettings.from_flags("stdlib", dedup="exact").difference(near.to_json()) == (
+        "--dedup mode was 'near', now 'exact'"
+    )
+    assert web.difference(near.to_json()) == "--clean/--clean-set was the default, now 'web'"
+    tuned = ["web.min_words=3", "web.max_words=9", "web.min_stop_words=1", "web.max_dup_lines=0.5"]
+    assert PrepareSettings.from_flags("stdlib", clean="web", clean_set=tuned).difference(web.to_json()) == (
+        "--clean/--clean-set web.min_words was 50, now 3; web.max_words was 100000, now 9; "
+        "web.min_stop_words was 2, now 1; and 1 more"
+    )
+    assert PrepareSettings.from_flags("stdlib", ext="md,py").difference(near.to_json()) == (
+        "--ext was the default, now .md,.py"
+    )
+    newer = {**near.to_json(), "future": 1}  # written by a later version
+    assert near.difference(newer) == "settings with keys this version does not write (future)"
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [

@@ -171,8 +171,8 @@ class PrepareSettings:
             if key == "corpus" and key in expected and saved.get(key) != expected[key]:
                 return f"SOURCE changed: {_files_said(saved.get(key))} then, {_files_said(expected[key])} now"
             if key in expected and saved.get(key) != expected[key]:
-                return f"{flag} was {saved.get(key)!r}, now {expected[key]!r}"
-        return f"settings were {saved!r}"
+                return _changed(flag, saved.get(key), expected[key])
+        return f"settings with keys this version does not write ({', '.join(sorted(set(saved) - set(expected)))})"
 
 
 def tokenizer_digest(tokenizer: str) -> str | None:
@@ -184,6 +184,40 @@ def tokenizer_digest(tokenizer: str) -> str | None:
 
 
 _LEGACY_FIELDS = ("source", "text_field", "val_fraction", "shard_tokens", "seed", "tokenizer", "decontaminate")
+
+
+def _changed(flag: str, old: Any, new: Any, shown: int = 3) -> str:
+    """'FLAG was OLD, now NEW' on one line: for settings saved as objects, each value that differs (the first
+    `shown`), e.g. "--dedup mode was 'near', now 'exact'"."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return f"{flag} was {_said(old)}, now {_said(new)}"
+    changes = [f"{key} was {_said(a)}, now {_said(b)}" for key, a, b in _leaves(old, new) if a != b]
+    more = f"; and {len(changes) - shown} more" if len(changes) > shown else ""
+    return f"{flag} " + "; ".join(changes[:shown]) + more
+
+
+def _leaves(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of each value in two objects, nested ones key by key."""
+    out = []
+    for key in dict.fromkeys([*old, *new]):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _leaves(a, b, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", a, b))
+    return out
+
+
+def _said(value: Any) -> str:
+    """A saved setting as read on a line: an object by its mode (or its values set), a list comma-separated, None
+    (a setting left at its default: no cleaning, no classifier, the default file types)."""
+    if isinstance(value, dict):
+        if "mode" in value:
+            return repr(value["mode"])
+        return ", ".join(f"{k}={_said(v)}" for k, v in value.items() if v is not None) or "the default"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "none"
+    return "the default" if value is None else repr(value)
 
 
 def _files_said(corpus: dict[str, Any] | None) -> str:
