@@ -2,13 +2,14 @@
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
 from tests.conftest import write_corpus
 from tests.helpers import lock_held_elsewhere
 
-from gptforge.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
+from gptforge.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, resolve_checkpoint
 from gptforge.cli import main
 from gptforge.config import load_config
 from gptforge.data.prepare import prepare
@@ -91,6 +92,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, d
     with pytest.raises(GptforgeError, match="step_000002: damaged checkpoint"):  # a named one is not replaced
         damage(run / "checkpoints" / "step_000002")
         train(tiny(data_dir, "train.max_steps=4"), tmp_path / "new", resume=str(run / "checkpoints" / "step_000002"))
+
+
+def test_under_torchrun_rank_0_alone_warns_of_a_damaged_checkpoint(saved_run, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    damage_truncate(run / "checkpoints" / "step_000004")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert resolve_checkpoint(run, for_training=True).name == "step_000002"  # every rank falls back
+        expected = [] if rank == "1" else [f"{run}/checkpoints/step_000004: damaged checkpoint"]
+        assert [str(w.message).partition(" (")[0] for w in said] == expected
 
 
 DAMAGED_INSIDE = (

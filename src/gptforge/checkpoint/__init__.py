@@ -8,6 +8,7 @@ shards); every rank adds its own RNG state (for multi-node runs the run folder m
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import struct
@@ -40,7 +41,7 @@ from gptforge.errors import GptforgeError, first_detail
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import apply_lora, merge_lora
 from gptforge.runtime.device import resolve_device, resolve_dtype
-from gptforge.runtime.distributed import SINGLE, DistEnv
+from gptforge.runtime.distributed import SINGLE, DistEnv, launch_env
 from gptforge.runtime.fsdp import (
     is_sharded,
     load_shard_weights,
@@ -177,7 +178,8 @@ def resolve_checkpoint(path: str | Path, for_training: bool = False) -> Path:
         problem = checkpoint_problem(ckpt, for_training, checksums=True)
         if problem is None:
             return ckpt
-        warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)
+        if launch_env(os.environ).is_main:  # under torchrun every process resolves it: one warning, not one each
+            warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)
     raise GptforgeError(f"{path}: every checkpoint is damaged (the newest: {ckpts[-1]})")
 
 
