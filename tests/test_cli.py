@@ -289,3 +289,19 @@ def test_prepare_force_never_replaces_a_checkpoint_a_run_s_checkpoints_or_a_deep
     (tmp_path / "afile.txt").write_text("mine")
     assert main(["prepare", str(corpus_dir), "--out", str(tmp_path / "afile.txt"), "--force"]) == 1
     assert capsys.readouterr().err.startswith(f"gptforge prepare: error: --out {tmp_path / 'afile.txt'}: exists and")
+
+
+def test_a_warning_naming_a_path_with_a_newline_stays_one_line(monkeypatch, capsys):
+    """serve's "leads outside the served folder" names a path; a run folder named 'a\\nb' split the log line."""
+    import warnings
+
+    import gptforge.report.summary
+    from gptforge.cli import PACKAGE
+
+    def warns(run_dir):  # as if from gptforge's serve/runs.py
+        message = "runs/a\nb\x1b[2J: leads outside the served folder"
+        warnings.warn_explicit(message, UserWarning, filename=f"{PACKAGE}/serve/runs.py", lineno=1)
+
+    monkeypatch.setattr(gptforge.report.summary, "run_report", warns)
+    assert main(["report", "runs/x"]) == 0
+    assert capsys.readouterr().err == "gptforge report: warning: runs/a\\nb\\x1b[2J: leads outside the served folder\n"

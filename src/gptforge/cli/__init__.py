@@ -57,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _show_warning(command: str, default, message, category, filename, lineno, file=None, line=None) -> None:
-    """gptforge's own warnings as one line like its errors; other libraries' in Python's usual form."""
+    """gptforge's own warnings as one line like its errors (a path's newline or escape sequence written escaped);
+    other libraries' in Python's usual form."""
     if not str(filename).startswith(PACKAGE):
         default(message, category, filename, lineno, file, line)
         return
-    print(f"gptforge {command}: warning: {message}", file=file or sys.stderr, flush=True)
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
+    print(f"gptforge {command}: warning: {text}", file=file or sys.stderr, flush=True)
 
 
 def _fail(command: str, message: str, every_rank: bool = True) -> int:
