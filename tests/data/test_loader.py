@@ -8,19 +8,19 @@ from gptforge.data.shards import write_manifest, write_shard
 from gptforge.errors import GptforgeError
 
 
-def make_data(tmp_path, shard_sizes, vocab=60000):
+def make_data(tmp_path, shard_sizes, vocab=60000, split="train"):
     """Shards whose tokens are their global positions, so a window tells where it came from."""
     shards, start = [], 0
     for i, n in enumerate(shard_sizes):
-        sha = write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(start, start + n, dtype=np.uint32) % vocab)
-        shards.append({"file": f"train_{i:06d}.bin", "split": "train", "tokens": n, "sha256": sha})
+        sha = write_shard(tmp_path / f"{split}_{i:06d}.bin", np.arange(start, start + n, dtype=np.uint32) % vocab)
+        shards.append({"file": f"{split}_{i:06d}.bin", "split": split, "tokens": n, "sha256": sha})
         start += n
     write_manifest(
         tmp_path,
         {
             "tokenizer": {"name": "gpt2", "vocab_size": vocab, "eot": 0},
             "shards": shards,
-            "splits": {"train": {"docs": 1, "tokens": start, "bytes": start}},
+            "splits": {split: {"docs": 1, "tokens": start, "bytes": start}},
         },
     )
     return tmp_path
@@ -96,10 +96,12 @@ def test_a_position_resumes_on_another_number_of_processes_or_micro_batch_from_t
         TokenLoader(tmp_path, "train", 4, 4).load_state_dict(TokenLoader(tmp_path, "train", 4, 8).state_dict())
 
 
-def test_too_little_data(tmp_path):
-    make_data(tmp_path, [20])
-    with pytest.raises(GptforgeError, match="too few for one batch"):
-        TokenLoader(tmp_path, "train", 4, 8)
+@pytest.mark.parametrize(("split", "remedy"), [("train", "add data"), ("val", "a larger --val-fraction")])
+def test_too_little_data_says_what_to_do(tmp_path, split, remedy):
+    """A small chat or filtered set met this with no way out named: its val split is 1% of what was kept."""
+    make_data(tmp_path, [20], split=split)
+    with pytest.raises(GptforgeError, match=rf"has 20 tokens, too few for one batch of 4 x 9 tokens .*{remedy}"):
+        TokenLoader(tmp_path, split, 4, 8)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

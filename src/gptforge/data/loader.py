@@ -100,9 +100,10 @@ class TokenLoader:
         unit = step_windows if step_windows % unit == 0 and unit <= step_windows <= self.n_windows else unit
         self.batches_per_epoch = self.n_windows // unit * unit // (batch_size * world_size)
         if self.batches_per_epoch == 0:
+            more = "prepare it again with a larger --val-fraction" if split == "val" else "add data"
             raise GptforgeError(
                 f"{data_dir}: split {split!r} has {int(self.offsets[-1]):,} tokens, too few for one batch of "
-                f"{batch_size} x {seq_len + 1} tokens x {world_size} rank(s)"
+                f"{batch_size} x {seq_len + 1} tokens x {world_size} rank(s) ({more}, or use a smaller micro-batch)"
             )
         self.epoch, self.position = 0, 0
         self._order = self.order(0)
