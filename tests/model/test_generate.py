@@ -220,3 +220,16 @@ def test_a_draw_inverts_the_cumulative_distribution_and_never_picks_a_token_with
     assert bool((~differ | near).all()) and int(differ.sum()) <= 3
     assert int(tokens[-3]) == int(probs.nonzero().max())  # u = 0: the last token with mass
     assert int(tokens[-2]) == int(probs.nonzero().min())  # u just below 1: the first
+
+
+def test_a_huge_temperature_still_draws_only_from_the_top_k():
+    """Past float32's largest a temperature rounded every scaled logit to a tie with the k-th, so top-k kept all."""
+    from gptforge.model.generate import Sampling, sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 1000, generator=g)
+    top = set(torch.topk(logits[0], 5).indices.tolist())
+    for temperature in (1e39, float("inf")):
+        uniforms = torch.rand(200, generator=g, dtype=torch.float64)
+        tokens = {int(sample_rows(logits, [Sampling(temperature, top_k=5)], u[None])) for u in uniforms}
+        assert tokens == top  # all five, as at a temperature that makes them equally likely

@@ -74,16 +74,19 @@ def _draw(x: torch.Tensor, rules: list[Sampling], uniforms: torch.Tensor) -> tor
     """Each row's token at its uniform, in float32 (float64 took twice as long): every sum goes row by row,
     so a row's token does not depend on the rows beside it."""
     column = functools.partial(torch.tensor, device=x.device, dtype=x.dtype)
-    # Relative to the row's maximum, a temperature below float32's smallest normal (tiny) sends every logit not
-    # tied with the maximum to -inf rather than the maximum to inf (0 / 0 is NaN): 1e-40 is greedy in effect.
-    temperatures = [max(rule.temperature, torch.finfo(x.dtype).tiny) for rule in rules]
-    if any(t != 1.0 for t in temperatures):  # at 1 this would change no bit: softmax subtracts the maximum itself
-        x = (x - x.amax(dim=-1, keepdim=True)) / column(temperatures)[:, None]
     vocab = x.size(-1)
+    # Top-k before the temperature: a huge one rounds the scaled logits into ties, and a tie with the k-th kept all.
     if any(rule.top_k is not None and rule.top_k < vocab for rule in rules):
         top_k = column([min(rule.top_k or vocab, vocab) for rule in rules], dtype=torch.long)
         kth = torch.topk(x, int(top_k.max())).values.gather(-1, top_k[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
+    # Relative to the row's maximum, a temperature below float32's smallest normal (tiny) sends every logit not
+    # tied with the maximum to -inf rather than the maximum to inf (0 / 0 is NaN): 1e-40 is greedy in effect.
+    # One past float32's largest would be inf, and -inf / inf is NaN.
+    finfo = torch.finfo(x.dtype)
+    temperatures = [min(max(rule.temperature, finfo.tiny), finfo.max) for rule in rules]
+    if any(t != 1.0 for t in temperatures):  # at 1 this would change no bit: softmax subtracts the maximum itself
+        x = (x - x.amax(dim=-1, keepdim=True)) / column(temperatures)[:, None]
     if any(rule.top_p is not None and rule.top_p < 1.0 for rule in rules):
         top_p = column([1.0 if rule.top_p is None else rule.top_p for rule in rules])[:, None]
         sorted_x, order = x.sort(dim=-1, descending=True)
