@@ -194,4 +194,9 @@ def test_a_lora_setting_without_a_rank_is_refused_naming_it(setting):
         load_config("tiny", [setting])
     saved = to_dict(load_config("tiny", [setting, "train.lora_rank=4", "train.init_from=base"]))
     assert config_from_dict(saved).train.lora_rank == 4  # a LoRA run's saved config resumes
+    older = to_dict(load_config("tiny"))
+    key = setting.split("=")[0].removeprefix("train.")
+    older["train"][key] = saved["train"][key]  # accepted, and ignored, before
+    older["checkpoint"]["async_save"] = True
+    assert config_from_dict(older).train.lora_rank == 0  # its checkpoints still load (serve, export, eval)
     assert load_config("tiny", ["train.init_from=base"]).train.lora_rank == 0  # a full fine-tune

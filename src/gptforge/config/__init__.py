@@ -148,7 +148,7 @@ def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     for section_name, values in data.items():
         for key, value in values.items():
             _set(cfg, f"{section_name}.{key}", value, "checkpoint config")
-    return validate(cfg, "checkpoint config")
+    return validate(cfg, "checkpoint config", saved=True)
 
 
 def lora_spec(train: TrainConfig) -> LoRASpec | None:

@@ -97,15 +97,16 @@ RULES: dict[str, tuple[Any, str]] = {
 }
 
 
-def validate(cfg: Config, where: str = "") -> Config:
-    """Check every value against RULES, then the combinations of keys; the first failure is one line."""
+def validate(cfg: Config, where: str = "", saved: bool = False) -> Config:
+    """Check every value against RULES, then the combinations of keys; the first failure is one line. A `saved`
+    config (a checkpoint's) may hold settings that had no effect, which older versions accepted: it still loads."""
     where = f"{where}: " if where else ""
     for dotted, (ok, allowed) in RULES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
             raise GptforgeError(f"{where}{dotted}={value!r} (expected {allowed})")
-    problem = _combination_problem(cfg)
+    problem = _combination_problem(cfg) or (None if saved else _ineffective_setting(cfg))
     if problem:
         raise GptforgeError(f"{where}{problem}")
     return cfg
@@ -129,13 +130,6 @@ def _combination_problem(cfg: Config) -> str | None:
         return str(e)
     if cfg.optim.optimizer == "muon" and cfg.train.zero:  # refused with one process too: it would fail under torchrun
         return "optim.optimizer=muon with train.zero=true: ZeRO shards one AdamW's state; drop train.zero"
-    if cfg.checkpoint.async_save and cfg.train.parallel != "fsdp":
-        return (
-            "checkpoint.async_save=true needs train.parallel=fsdp: only sharded checkpoints are written in the "
-            "background (drop checkpoint.async_save)"
-        )
-    if not cfg.train.lora_rank and (unused := _unused_lora_setting(cfg.train)):
-        return unused
     if cfg.train.lora_rank and not cfg.train.init_from:
         return "train.lora_rank needs train.init_from: adapters fine-tune a trained model's frozen weights"
     if cfg.train.lora_rank and cfg.train.parallel == "fsdp":
@@ -148,6 +142,16 @@ def _combination_problem(cfg: Config) -> str | None:
             "(not supported yet); use optim.optimizer=adamw, or train.parallel=ddp"
         )
     return None
+
+
+def _ineffective_setting(cfg: Config) -> str | None:
+    """A setting the run would silently ignore, or None."""
+    if cfg.checkpoint.async_save and cfg.train.parallel != "fsdp":
+        return (
+            "checkpoint.async_save=true needs train.parallel=fsdp: only sharded checkpoints are written in the "
+            "background (drop checkpoint.async_save)"
+        )
+    return None if cfg.train.lora_rank else _unused_lora_setting(cfg.train)
 
 
 def _unused_lora_setting(train: TrainConfig) -> str | None:
