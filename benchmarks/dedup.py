@@ -37,6 +37,9 @@ LICENCE = "\n".join(
     f"# Copyright 2026 The Example Authors. Licensed under the Example Licence, clause {i}." for i in range(30)
 )
 IMPORTS = "\n".join(f"from package.module_{i} import function_{i}, Class{i}" for i in range(25))
+SHORT_LICENCE = "\n".join(  # longer than the short files it heads: without care they would pair on it alone
+    f"# Licensed to the Example Foundation under one or more contributor agreements, section {i}." for i in range(16)
+)
 
 
 def _change(lines: list[str], percent: int, rng: random.Random, donor: list[str]) -> list[str]:
@@ -53,10 +56,10 @@ def _change(lines: list[str], percent: int, rng: random.Random, donor: list[str]
     return out
 
 
-def _distinct_originals(n: int, seed: int) -> list[tuple[str, str]]:
-    """`n` stdlib files of 40+ lines that prepare keeps when read alone (no two of them duplicates)."""
+def _distinct_originals(n: int, seed: int, lines: range = range(40, 10**9)) -> list[tuple[str, str]]:
+    """`n` stdlib files of `lines` lines that prepare keeps when read alone (no two of them duplicates)."""
     dedup, picked = Deduplicator(DedupSettings()), []
-    files = [(name, text) for name, text in stdlib_documents() if len(text.splitlines()) >= 40]
+    files = [(name, text) for name, text in stdlib_documents() if len(text.splitlines()) in lines]
     random.Random(seed).shuffle(files)
     for name, text in files:
         if dedup.check(len(picked), fingerprint(text, DedupSettings())) is None:
@@ -77,9 +80,11 @@ def planted(originals: int, seed: int, workers: int) -> dict:
         kinds[f"{k}% lines changed"] = [
             "\n".join(_change(text.splitlines(), k, rng, donor)) for _, text in rng.sample(base, 50)
         ]
+    short = _distinct_originals(50, seed, lines=range(5, 16))
     distinct = {
         "distinct, shared 30-line licence": [f"{LICENCE}\n{text}" for _, text in spare[:50]],
         "distinct, shared 25-line imports": [f"{IMPORTS}\n{text}" for _, text in spare[50:100]],
+        "distinct 5-15-line files, shared 16-line licence": [f"{SHORT_LICENCE}\n{text}" for _, text in short],
     }
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
