@@ -194,3 +194,16 @@ def test_a_classifier_that_leaves_nothing_is_named_even_after_a_filter_removed_a
     with pytest.raises(GptforgeError, match=r"--quality removed 40 of 41 documents and nothing else is left"):
         prepare(settings, tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_filters_that_removed_most_but_not_all_are_not_said_to_have_removed_every_document(tmp_path):
+    """The classifier took the documents the filters left: the message said the filters removed every one."""
+    ref, corpus = _folders(tmp_path, n_real=2, n_junk=0)
+    for i in range(3):
+        (corpus / f"long{i}.py").write_text("x = 1  # " + "y" * 5000 + "\n")  # past code.max_line_length
+    settings = PrepareSettings.from_flags(
+        str(corpus), val_fraction=0, dedup="none", clean="code", quality=QualitySettings(str(ref), 1.0)
+    )
+    with pytest.raises(GptforgeError, match=r"--clean code removed 3 of 5 documents and --quality 2 \(filter"):
+        prepare(settings, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()

@@ -286,8 +286,12 @@ def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], repo
     if report.filters and filtered >= report.docs["quality"] and not writers["val"].docs:
         rule, (n, _) = max(report.filters.items(), key=lambda item: item[1][0])
         counts = ", ".join(f"{name} {d:,}" for name, (d, _) in report.filters.items())
+        removed = "every document"
+        if report.docs["quality"]:  # the filters took most, not all: the classifier took some too
+            quality = f"{settings.quality.flag} {report.docs['quality']:,}"
+            removed = f"{filtered:,} of {report.docs['read']:,} documents and {quality}"
         raise GptforgeError(
-            f"{source}: --clean {settings.clean_mode} removed every document (filter {rule} removed {n:,} of "
+            f"{source}: --clean {settings.clean_mode} removed {removed} (filter {rule} removed {n:,} of "
             f"{report.docs['read']:,}; {counts}); relax it with --clean-set or pass --clean none"
         )
     if report.docs["quality"] and not writers["val"].docs:
