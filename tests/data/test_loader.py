@@ -104,6 +104,15 @@ def test_too_little_data_says_what_to_do(tmp_path, split, remedy):
         TokenLoader(tmp_path, split, 4, 8)
 
 
+def test_too_little_data_at_a_micro_batch_of_1_names_the_block_size(tmp_path):
+    """At a micro-batch of 1, "or use a smaller micro-batch" named a way out that does not exist."""
+    make_data(tmp_path, [20])
+    with pytest.raises(
+        GptforgeError, match=r"1 x 33 tokens x 1 rank\(s\) \(add data, or use a smaller model.block_size\)"
+    ):
+        TokenLoader(tmp_path, "train", 1, 32)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     B=st.integers(1, 4),

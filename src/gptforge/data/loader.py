@@ -101,9 +101,10 @@ class TokenLoader:
         self.batches_per_epoch = self.n_windows // unit * unit // (batch_size * world_size)
         if self.batches_per_epoch == 0:
             more = "prepare it again with a larger --val-fraction" if split == "val" else "add data"
+            smaller = "a smaller micro-batch" if batch_size > 1 else "a smaller model.block_size"  # none below 1
             raise GptforgeError(
                 f"{data_dir}: split {split!r} has {int(self.offsets[-1]):,} tokens, too few for one batch of "
-                f"{batch_size} x {seq_len + 1} tokens x {world_size} rank(s) ({more}, or use a smaller micro-batch)"
+                f"{batch_size} x {seq_len + 1} tokens x {world_size} rank(s) ({more}, or use {smaller})"
             )
         self.epoch, self.position = 0, 0
         self._order = self.order(0)
