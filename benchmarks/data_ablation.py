@@ -1,12 +1,14 @@
-"""Which data stages pay on held-out code: one model trained at equal compute on a corpus prepared five ways.
+"""Which data stages pay on held-out code: one model trained at equal compute on a corpus prepared six ways.
 
     python benchmarks/data_ablation.py [--source SITE_PACKAGES] [--holdout pip/_vendor] [--limit-mb 60]
                                        [--steps 300] [--seeds 1337,1338] [--out runs/data-ablation] [--json FILE]
 
 The corpus: the Python files of a site-packages folder (default: this interpreter's), whose quality varies (tests,
 generated and vendored code, minified files), less `--holdout` (pip's vendored packages), which is the common test,
-and less every file whose text is a held-out file's (vendored copies elsewhere); a seeded sample of files up to
-`--limit-mb`. Prepared five ways with one tokenizer (an 8,192-token BPE trained on the standard library):
+less every package pip vendors as installed on its own (pygments, rich, urllib3, ...: other versions of the test's
+files) and every file whose text is a held-out file's (copies vendored elsewhere); then a seeded sample of whole
+top-level packages up to `--limit-mb` (a sample of files would keep a tenth of a package's files and a hundredth of
+its copied pairs). Prepared six ways with one tokenizer (an 8,192-token BPE trained on the standard library):
 raw (no de-duplication); de-duplicated (near); + `--clean code`; + the quality classifier (reference: the standard
 library) by GPT-3's Pareto rule, and by a threshold at its median score (the top half: the Pareto rule keeps ~1% of
 a corpus the classifier tells apart from its reference); and the top half mixed 50/50 with the standard library.
@@ -43,28 +45,32 @@ BATCH_TOKENS = 4096  # modern-cpu's
 
 
 def gather_corpus(source: Path, holdout: Path, limit_mb: float, out: Path) -> dict:
-    """Copy the held-out files and a seeded sample of the rest (no copy of a held-out file) under `out`."""
+    """Copy the held-out files and a seeded sample of whole packages (no copy of a held-out file) under `out`."""
     held = sorted(p for p in (source / holdout).rglob("*.py") if p.is_file())
     held_texts = {hashlib.sha1(p.read_bytes()).hexdigest() for p in held}
-    rest = [p for p in source.rglob("*.py") if p.is_file() and not p.is_relative_to(source / holdout)]
-    rest.sort(key=lambda p: hashlib.sha1(str(p.relative_to(source)).encode()).hexdigest())
-    taken, size, copies = [], 0, 0
-    for path in rest:
-        data = path.read_bytes()
-        if hashlib.sha1(data).hexdigest() in held_texts:
-            copies += 1
-            continue
-        if size + len(data) > limit_mb * 1e6:
-            break
-        taken.append(path)
-        size += len(data)
+    vendored = {p.name.removesuffix(".py") for p in (source / holdout).iterdir()}
+    packages: dict[str, list[Path]] = {}
+    for path in source.rglob("*.py"):
+        top = path.relative_to(source).parts[0]
+        if path.is_file() and not path.is_relative_to(source / holdout) and top.removesuffix(".py") not in vendored:
+            packages.setdefault(top, []).append(path)
+    taken, size, copies, names = [], 0, 0, []
+    for name in sorted(packages, key=lambda n: hashlib.sha1(n.encode()).hexdigest()):
+        files = [p for p in sorted(packages[name]) if hashlib.sha1(p.read_bytes()).hexdigest() not in held_texts]
+        mb = sum(p.stat().st_size for p in files)
+        if size + mb <= limit_mb * 1e6:  # a package past the limit is left out, a smaller one may still fit
+            taken += files
+            size += mb
+            names.append(name)
+            copies += len(packages[name]) - len(files)
     for folder, files in (("heldout", held), ("corpus", taken)):
         for path in files:
             target = out / folder / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
     held_mb = sum(p.stat().st_size for p in held) / 1e6
-    return {"files": len(taken), "mb": size / 1e6, "heldout_files": len(held), "heldout_mb": held_mb, "copies": copies}
+    summary = {"packages": sorted(names), "files": len(taken), "mb": size / 1e6, "copies_left_out": copies}
+    return summary | {"heldout_files": len(held), "heldout_mb": held_mb}
 
 
 def run(args: list[str], log: Path) -> float:
