@@ -333,3 +333,14 @@ def test_a_request_still_waiting_at_shutdown_is_answered_503(runs_dir):
     )
     assert [(type(e), e.error.status, e.error.code) for e in events] == [(Failed, 503, "server_shutting_down")]
     assert engine.in_flight == 0
+
+
+@pytest.mark.parametrize("value", ["http://a.example/", "http://a.example/app", "HTTPS://A.example", "", "a.example"])
+def test_a_cors_origin_no_browser_sends_is_refused_at_parse_time_in_one_line(capsys, value):
+    """Such an origin (a URL's trailing slash, most often) matched no page: every preflight was refused."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["serve", ".", "--cors", value])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and "argument --cors: expected an origin" in err, err
+    values = ["https://a.example", "http://localhost:5173", "http://[::1]:8080", "*", "chrome-extension://abc"]
+    assert build_parser().parse_args(["serve", ".", *(f"--cors={v}" for v in values)]).cors == values

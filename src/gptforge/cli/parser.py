@@ -9,6 +9,7 @@ from gptforge import __version__, commands
 from gptforge.cli.types import (
     Parser,
     at_least,
+    cors_origin,
     file_name,
     host_allowed,
     positive_ints,
@@ -329,7 +330,14 @@ def _add_serve_command(sub) -> None:
         default=30.0,
         help="seconds to send a request's head, then its body; a stalled one is cut off (default 30)",
     )
-    s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="allow browser calls from ORIGIN")
+    s.add_argument(
+        "--cors",
+        action="append",
+        type=cors_origin,
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser calls from ORIGIN",
+    )
     s.add_argument(
         "--allow-host",
         action="append",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 from gptforge.serve.protocol import allowed_host
@@ -59,6 +60,21 @@ def host_allowed(text: str) -> str:
         allowed_host(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e}, got {text!r}") from None
+    return text
+
+
+# An origin as a browser sends it (RFC 6454): lower-case scheme://host[:port], no path, not even a trailing slash.
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://([a-z0-9._~-]+|\[[0-9a-f:.]+\])(:[0-9]{1,5})?")
+
+
+def cors_origin(text: str) -> str:
+    """--cors: '*' or an origin a browser can send; any other value (such as a URL's trailing slash) matched no
+    page, and the server refused every preflight while seeming to allow it."""
+    if text != "*" and not ORIGIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"expected an origin such as https://example.com:8080 (lower case, no path or trailing slash) or '*', "
+            f"got {text!r}"
+        )
     return text
 
 
