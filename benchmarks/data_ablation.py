@@ -114,12 +114,12 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
-def train_and_score(out: Path, name: str, data: list[str], seed: str, steps: int, eval_tokens: int) -> dict:
-    """Train modern-cpu for `steps` on `data` (prepare-style --data, or a --set data.mix), then score it."""
+def train_and_score(out: Path, name: str, data: list[str], seed: str, args: argparse.Namespace) -> dict:
+    """Train modern-cpu for --steps on `data` (prepare-style --data, or a --set data.mix), then score it."""
     run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    sets = [f"train.max_steps={steps}", "train.time_budget=0", f"train.seed={seed}", "eval.every=0"]
-    sets += ["eval.sample_tokens=0", "checkpoint.every=0"]
+    sets = [f"train.max_steps={args.steps}", "train.time_budget=0", f"train.seed={seed}", "eval.every=0"]
+    sets += ["eval.sample_tokens=0", "checkpoint.every=0", *args.set]
     args = ["train", "--config", "modern-cpu", *data, "--out", str(run_dir)]
     seconds = 0.0
     if not (run_dir / "checkpoints").is_dir():  # a run trained before is scored again, not retrained
@@ -128,7 +128,7 @@ def train_and_score(out: Path, name: str, data: list[str], seed: str, steps: int
     for key, flags in (("heldout", ["--text", str(out / "heldout")]), ("stdlib", ["--data", str(out / "data/stdlib")])):
         log = run_dir.with_name(f"{run_dir.name}.{key}.json")
         if not log.exists():
-            run(["eval", str(run_dir), *flags, "--tokens", str(eval_tokens), "--json"], log)
+            run(["eval", str(run_dir), *flags, "--tokens", str(args.eval_tokens), "--json", *args.eval_flags], log)
         result = json.loads(log.read_text())
         scores[f"{key}_bpb"] = result["text" if key == "heldout" else "val"]["bpb"]
     return scores
@@ -161,7 +161,10 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=262_144)
     p.add_argument("--out", type=Path, default=Path("runs/data-ablation"))
     p.add_argument("--json", type=Path)
+    p.add_argument("--set", action="append", default=[], help="override for every run, e.g. train.threads=1")
     args = p.parse_args()
+    threads = [s.split("=", 1)[1] for s in args.set if s.startswith("train.threads=")]
+    args.eval_flags = ["--threads", threads[-1]] if threads else []
     if not (args.source / args.holdout).is_dir():
         raise SystemExit(f"--holdout: {args.source / args.holdout} is not a folder")
     corpus = {}
@@ -179,7 +182,7 @@ def main() -> None:
                 continue
             data = ["--data", stages[name]["folder"]] if name in stages else []
             data = data or ["--set", f"data.mix={stages[MIXED]['folder']}=1,{stdlib}=1"]
-            results.append(train_and_score(args.out, name, data, seed, args.steps, args.eval_tokens))
+            results.append(train_and_score(args.out, name, data, seed, args))
             print(json.dumps(results[-1]), flush=True)
     print_table(stages, results)
     if args.json:
