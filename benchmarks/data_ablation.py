@@ -120,10 +120,10 @@ def train_and_score(out: Path, name: str, data: list[str], seed: str, args: argp
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     sets = [f"train.max_steps={args.steps}", "train.time_budget=0", f"train.seed={seed}", "eval.every=0"]
     sets += ["eval.sample_tokens=0", "checkpoint.every=0", *args.set]
-    args = ["train", "--config", "modern-cpu", *data, "--out", str(run_dir)]
+    command = ["train", "--config", "modern-cpu", *data, "--out", str(run_dir)]
     seconds = 0.0
     if not (run_dir / "checkpoints").is_dir():  # a run trained before is scored again, not retrained
-        seconds = run([*args, *(x for s in sets for x in ("--set", s))], run_dir.with_suffix(".log"))
+        seconds = run([*command, *(x for s in sets for x in ("--set", s))], run_dir.with_suffix(".log"))
     scores = {"pipeline": name, "seed": seed, "train_s": round(seconds, 1)}
     for key, flags in (("heldout", ["--text", str(out / "heldout")]), ("stdlib", ["--data", str(out / "data/stdlib")])):
         log = run_dir.with_name(f"{run_dir.name}.{key}.json")
