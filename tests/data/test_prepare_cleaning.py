@@ -269,7 +269,7 @@ def test_a_folder_prepared_before_dedup_still_loads_and_says_its_split_may_leak(
     assert capsys.readouterr().out == ""
     TokenLoader(out, "val", batch_size=1, seq_len=8)
     assert "may hold near-copies of training documents" in capsys.readouterr().out
-    with pytest.raises(GptforgeError, match=r"--clean/--clean-set was None, now \{"):
+    with pytest.raises(GptforgeError, match=r"--clean/--clean-set was the default, now .code."):
         prepare(PrepareSettings.from_flags(str(src), val_fraction=0.3, shard_tokens=500, clean="code"), out, workers=1)
     assert read_manifest(out)["settings"] == manifest["settings"]
 
