@@ -87,6 +87,9 @@ class StopSignal:
         os.close(read)
 
     def __exit__(self, *exc) -> None:
+        # Let go of the run's checkpointer now: kept until the process group was destroyed, its objects' C++
+        # threads aborted the process at exit ("terminate called without an active exception") under torchrun.
+        self.last_saved = lambda: None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._wakeup is not None:
