@@ -2,6 +2,7 @@
 about 1/N of the parameters and optimizer state, and its checkpoints resume under fsdp and ddp."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -167,7 +168,8 @@ def test_each_fsdp_process_holds_about_a_share_of_the_parameters_and_optimizer_s
     script.write_text(SHARE)
     alone = json.loads(run([sys.executable, str(script)]).splitlines()[-1])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    shares = [json.loads(line) for line in run([*launcher, str(script)], env=ENV).splitlines() if "rank" in line]
+    out = run([*launcher, str(script)], env=ENV)  # the two ranks' lines can land on one line of the shared pipe
+    shares = [json.loads(found) for found in re.findall(r'\{"rank"[^{}]*\}', out)]
     assert len(shares) == 2
     for share in shares:  # 1/2 each, up to the padding of a row count that does not split evenly
         assert abs(share["params"] / alone["params"] - 0.5) < 0.01, (share, alone)
