@@ -220,3 +220,22 @@ def test_a_second_signal_in_training_names_the_last_checkpoint_saved(data_dir, t
     assert exit.value.code == 128 + signal.SIGINT
     kept = tmp_path / "run" / "checkpoints" / "step_000002"
     assert capsys.readouterr().err.endswith(f"without a checkpoint (the last one saved, {kept}, is kept)\n")
+
+
+def test_the_stop_signal_lets_go_of_the_checkpointer_when_it_exits():
+    """Held past the process group's destruction, the checkpointer's objects aborted a torchrun worker at exit."""
+    import gc
+    import weakref
+
+    class Checkpointer:
+        last_good = "runs/x/checkpoints/step_000008"
+
+    from gptforge.train.stopping import StopSignal
+
+    alive = weakref.ref(checkpointer := Checkpointer())
+    with StopSignal() as stop:
+        stop.last_saved = lambda ckpt=checkpointer: ckpt.last_good
+        assert stop.last_saved() == "runs/x/checkpoints/step_000008"
+    checkpointer = None
+    gc.collect()
+    assert alive() is None and stop.last_saved() is None
