@@ -310,20 +310,27 @@ def test_sigterm_ends_an_open_stream_with_done_and_the_server_exits_0(runs_dir, 
     assert finishes == ["length", "length"]
 
 
-def test_a_bad_chunk_after_the_answer_and_a_second_ctrl_c_leave_no_traceback(runs_dir, tmp_path):
+def test_a_bad_chunk_after_the_answer_and_a_second_ctrl_c_leave_no_traceback(tmp_path):
     """A chunk h11 cannot parse after the response had gone out failed to send a 400 (a traceback); uvicorn's second
     SIGINT skips the app's shutdown, and its lifespan task, cancelled at exit, logged a traceback."""
-    with server_process(runs_dir, log=tmp_path / "serve.log") as (url, server), connect(url) as sock:
+    run = tmp_path / "runs" / "run"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (run / "samples.jsonl").write_text(json.dumps({"step": 0, "text": "x" * 50_000_000}) + "\n")
+    with server_process(run.parent, log=tmp_path / "serve.log") as (url, server), connect(url) as sock:
         sock.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n")
         assert sock.recv(12) == b"HTTP/1.1 200"
         sock.sendall(b"zz\r\n")
         until_closed(sock)
-        server.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 30  # two signals at once are delivered as one: the second comes once it shuts
-        while "shutting down" not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline:
-            time.sleep(0.001)  # down (a fixed 50 ms came after a quiet host's whole shutdown)
-        server.send_signal(signal.SIGINT)
-        code = server.wait(timeout=30)
+        with connect(url) as held:  # a 50 MB answer left unread holds the shutdown (for uvicorn's grace period):
+            held.sendall(b"GET /api/runs/run/samples HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # time for a second
+            assert held.recv(12) == b"HTTP/1.1 200"  # Ctrl-C, which an idle server's shutdown of ~1 ms did not leave
+            server.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 30  # two signals at once are delivered as one: the second waits for this
+            while "shutting down" not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            server.send_signal(signal.SIGINT)
+            code = server.wait(timeout=30)
     log = (tmp_path / "serve.log").read_text()
     assert code == 130 and "Traceback" not in log and log.endswith("interrupted\n"), log
 
