@@ -3,7 +3,8 @@ much of the old validation split had a near-copy in training, and prepare's thro
 
     python benchmarks/dedup.py planted [--originals 300]   # through `prepare` itself, default settings
     python benchmarks/dedup.py corpora [--corpus DIR ...]  # stdlib and each DIR's .py files
-    python benchmarks/dedup.py speed [--baseline-src DIR]  # MB/s of prepare; DIR: an older checkout's src/
+    python benchmarks/dedup.py speed [--baseline-src DIR [--baseline-name NAME]]  # MB/s of prepare; DIR: an
+                                                           # older checkout's src/ (NAME: its row, e.g. a commit)
     python benchmarks/dedup.py all --json OUT.json
 
 `corpora` judges documents with prepare's own judging pass (pipeline.encode without tokens, then pipeline.judge
@@ -164,7 +165,7 @@ def _timed(src: str | None, args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def speed(baseline_src: str | None, repeats: int) -> dict:
+def speed(baseline_src: str | None, repeats: int, baseline_name: str = "baseline") -> dict:
     """prepare's MB/s on the stdlib (GPT-2 BPE, all cores), the variants taking turns so load hits all alike."""
     mb = sum(len(t.encode()) for _, t in stdlib_documents()) / 1e6
     variants = {
@@ -172,12 +173,12 @@ def speed(baseline_src: str | None, repeats: int) -> dict:
         "dedup near (default)": [],
         "dedup near, clean code": ["--clean", "code"],
     }
-    runs: dict[str, list[float]] = {name: [] for name in ([*(["before issue 23"] if baseline_src else []), *variants])}
+    runs: dict[str, list[float]] = {name: [] for name in ([*([baseline_name] if baseline_src else []), *variants])}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
             for name in runs:
                 out = ["--out", f"{tmp}/{r}-{len(runs[name])}-{name.replace(' ', '_').replace(',', '')}"]
-                src = baseline_src if name == "before issue 23" else None
+                src = baseline_src if name == baseline_name else None
                 runs[name].append(_timed(src, [*variants.get(name, []), *out]))
     return {name: {"seconds": min(s), "mb_per_s": mb / min(s)} for name, s in runs.items()} | {"mb": mb}
 
@@ -191,7 +192,8 @@ def main() -> None:
     p.add_argument("part", choices=("planted", "corpora", "speed", "all"))
     p.add_argument("--originals", type=int, default=300)
     p.add_argument("--corpus", action="append", default=[], help="a folder of .py files (site-packages, ...)")
-    p.add_argument("--baseline-src", help="src/ of a checkout before de-duplication, for the speed comparison")
+    p.add_argument("--baseline-src", help="src/ of an older checkout, for the speed comparison (its default run)")
+    p.add_argument("--baseline-name", default="baseline", help="the baseline's row name (e.g. its commit)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -217,7 +219,7 @@ def main() -> None:
             leak = f"{row['val_leaked_docs']}/{row['val_docs']} docs, {share:.1%} of bytes"
             print(f"| {name} | {' | '.join(cells)} | {leak} |")
     if args.part in ("speed", "all"):
-        results["speed"] = s = speed(args.baseline_src, args.repeats)
+        results["speed"] = s = speed(args.baseline_src, args.repeats, args.baseline_name)
         for name, row in s.items():
             if name != "mb":
                 print(f"prepare stdlib, {name}: {row['seconds']:.1f}s = {row['mb_per_s']:.2f} MB/s")
