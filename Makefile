@@ -31,7 +31,7 @@ demo: $(CORE)
 	$(BIN)/gptforge demo --force  # replaces the previous demo run, once the new one is complete
 
 test: $(DEV)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20  # the slowest tests named in every run: the suite aims at ~15 min
 
 lint: $(DEV)
 	$(BIN)/ruff check src tests benchmarks
