@@ -32,7 +32,8 @@ C_COMMENTED = frozenset(
     {"C", "C++", "CUDA", "Objective-C", "Go", "Rust", "Java", "Kotlin", "Scala", "Groovy", "C#", "Swift", "Dart",
      "JavaScript", "TypeScript", "Zig", "GLSL", "Protocol Buffer", "CSS", "PHP", "HCL"}
 )  # fmt: skip
-_HASH_HEADER = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)+")  # blank lines and `#` lines, each ended
+# Blank lines and `#` lines, each ended; a blank line's spaces include a Windows line ending's \r.
+_HASH_HEADER = re.compile(r"(?:[^\S\n]*(?:#[^\n]*)?\n)+")
 _C_HEADER = re.compile(r"(?:\s*(?://[^\n]*|/\*.*?\*/))+", re.DOTALL)  # `//` lines and `/* */` blocks
 
 
