@@ -172,6 +172,7 @@ def test_quality_labels_train_a_regressor_that_keeps_what_was_scored_high(tmp_pa
         ([{"text": "x", "score": 0.5}, {"text": "y", "score": 2}], r"labels.jsonl:2: score 2 is outside \[0, 1\]"),
         ([["x", 1]], "labels.jsonl:1: expected"),
         ([], "no labelled documents"),
+        ([{"text": "x \ud800", "score": 0.5}], r"labels.jsonl:1: text holds a lone surrogate \\ud800"),
     ],
 )
 def test_bad_quality_labels_are_one_line_naming_the_row(tmp_path, rows, match):
@@ -182,6 +183,20 @@ def test_bad_quality_labels_are_one_line_naming_the_row(tmp_path, rows, match):
     assert not (tmp_path / "o").exists()
     with pytest.raises(GptforgeError, match="--quality ref and --quality-labels .*: pass one of them"):
         PrepareSettings.from_flags(str(corpus), quality=QualitySettings("ref", labels=str(labels)))
+
+
+def test_quality_labels_learn_from_a_seeded_sample_of_bounded_size_and_every_row_is_checked(tmp_path, monkeypatch):
+    """Every row was learned from: 40,000 rows of 3,000 characters took 95 s and 4.2 GB, FineWeb-Edu's 450,000 more."""
+    monkeypatch.setattr(quality, "LABELLED_DOCS", 5)
+    labels = _labels(tmp_path / "labels.jsonl", [{"text": _function(i), "score": i / 50} for i in range(50)])
+    texts, scores = quality.labelled(str(labels), seed=0)
+    assert len(texts) == len(scores) == 5 and (texts, scores) == quality.labelled(str(labels), seed=0)
+    assert [_function(round(s * 50)) for s in scores] == texts  # rows stay whole: each text with its own score
+    assert quality.labelled(str(labels), seed=1) != (texts, scores)
+    with labels.open("a") as f:
+        f.write(json.dumps({"text": "late", "score": 7}) + "\n")
+    with pytest.raises(GptforgeError, match="labels.jsonl:51: score 7 is outside"):
+        quality.labelled(str(labels), seed=0)
 
 
 def test_a_classifier_that_leaves_nothing_is_named_even_after_a_filter_removed_a_document(tmp_path):

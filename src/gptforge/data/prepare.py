@@ -201,7 +201,7 @@ def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
     """--quality's classifier, learned from a seeded sample of REF's documents against one of the corpus's, or
     --quality-labels' regressor; None without either. A missing or empty REF is one line naming --quality."""
     if settings.quality.labels is not None:
-        texts, scores = quality.labelled(settings.quality.labels)
+        texts, scores = quality.labelled(settings.quality.labels, settings.seed)
         print(f"quality regressor: {len(texts):,} labelled documents", flush=True)
         return quality.train_regressor(texts, scores, settings.quality, settings.seed)
     if settings.quality.reference is None:

@@ -21,6 +21,7 @@ from gptforge.errors import GptforgeError
 from gptforge.files import read_jsonl, require_regular_file
 
 SAMPLE_DOCS = 20_000  # documents learned from on each side, at most: bounds the parent's time and memory
+LABELLED_DOCS = 2 * SAMPLE_DOCS  # --quality-labels rows learned from, at most: as many as --quality's two sides
 TEXT_CHARS = 10_000  # characters of a document read, for learning and for scoring alike (the same features)
 PARETO_ALPHA = 9  # GPT-3's shape: a document scoring s is kept with probability (2 - s) ** -9
 INSTALL = "--quality needs its extra: pip install 'gptforge[quality]'"
@@ -61,13 +62,17 @@ def check_quality(settings: QualitySettings) -> QualitySettings:
 def sample(texts: Iterable[str], n: int, seed: int) -> list[str]:
     """A seeded uniform sample of at most `n` texts (reservoir sampling: one pass, `n` texts held), each cut to
     TEXT_CHARS."""
+    return _reservoir((text[:TEXT_CHARS] for text in texts), n, seed)
+
+
+def _reservoir(items: Iterable[Any], n: int, seed: int) -> list[Any]:
     rng = np.random.default_rng(seed)
-    held: list[str] = []
-    for i, text in enumerate(texts):
+    held: list[Any] = []
+    for i, item in enumerate(items):
         if i < n:
-            held.append(text[:TEXT_CHARS])
+            held.append(item)
         elif (j := int(rng.integers(0, i + 1))) < n:
-            held[j] = text[:TEXT_CHARS]
+            held[j] = item
     return held
 
 
@@ -136,21 +141,29 @@ def train(reference: list[str], corpus: list[str], settings: QualitySettings, se
     return Classifier(Linear.of(model, logistic=True), vectorizer, settings, seed)
 
 
-def labelled(path: str) -> tuple[list[str], list[float]]:
-    """--quality-labels' rows: each a JSON object with a string "text" and a number "score" in [0, 1]; a bad row is
-    one line naming its file and line."""
-    texts, scores = [], []
+def labelled(path: str, seed: int) -> tuple[list[str], list[float]]:
+    """A seeded sample (LABELLED_DOCS at most) of --quality-labels' rows, each a JSON object with a string "text" and
+    a number "score" in [0, 1]; every row is checked, a bad one is one line naming its file and line."""
+    rows = _reservoir(_labelled_rows(path), LABELLED_DOCS, seed)
+    if not rows:
+        raise GptforgeError(f"--quality-labels {path}: no labelled documents")
+    return [text for text, _ in rows], [score for _, score in rows]
+
+
+def _labelled_rows(path: str) -> Iterable[tuple[str, float]]:
     for where, row in read_jsonl(require_regular_file(path, "--quality-labels")):
         text, score = (row.get("text"), row.get("score")) if isinstance(row, dict) else (None, None)
         if not isinstance(text, str) or isinstance(score, bool) or not isinstance(score, int | float):
             raise GptforgeError(f'--quality-labels {where}: expected {{"text": string, "score": number}}')
         if not 0 <= score <= 1:
             raise GptforgeError(f"--quality-labels {where}: score {score} is outside [0, 1]")
-        texts.append(text[:TEXT_CHARS])
-        scores.append(float(score))
-    if not texts:
-        raise GptforgeError(f"--quality-labels {path}: no labelled documents")
-    return texts, scores
+        try:  # JSON's \ud800 escapes make lone surrogates, which the vectorizer cannot encode
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise GptforgeError(
+                f"--quality-labels {where}: text holds a lone surrogate \\u{ord(text[e.start]):04x} (not text)"
+            ) from None
+        yield text[:TEXT_CHARS], float(score)
 
 
 def train_regressor(texts: list[str], scores: list[float], settings: QualitySettings, seed: int) -> Classifier:
