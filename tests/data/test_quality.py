@@ -211,6 +211,20 @@ def test_a_classifier_that_leaves_nothing_is_named_even_after_a_filter_removed_a
     assert not (tmp_path / "out").exists()
 
 
+def test_a_classifier_that_leaves_only_the_held_out_document_is_named_with_the_highest_score(tmp_path):
+    """The first document always validates: when the classifier took every other one, the message blamed
+    --val-fraction ("all held out for validation"); and without the report, no score to pick a threshold by."""
+    ref, corpus = _folders(tmp_path, n_real=0, n_junk=12)
+    (corpus / "a_first.py").write_text(_function(7))  # the first document: held out, and scored well
+    settings = PrepareSettings.from_flags(str(corpus), dedup="none", quality=QualitySettings(str(ref), 0.5))
+    with pytest.raises(GptforgeError) as e:
+        prepare(settings, tmp_path / "out", workers=1)
+    assert "--quality removed 12 of 13 documents and nothing else is left to train on" in str(e.value)
+    assert "to train on; the 1 kept is held out for validation; scores ranged 0." in str(e.value)
+    assert str(e.value).endswith(": lower --quality-threshold or pick another REF")
+    assert not (tmp_path / "out").exists()
+
+
 def test_filters_that_removed_most_but_not_all_are_not_said_to_have_removed_every_document(tmp_path):
     """The classifier took the documents the filters left: the message said the filters removed every one."""
     ref, corpus = _folders(tmp_path, n_real=2, n_junk=0)

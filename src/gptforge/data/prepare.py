@@ -279,31 +279,36 @@ def _build(
 def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], report: Report) -> None:
     """One line when nothing is left to train on: the stage (the classifier, or the filter) that removed most, or
     why the corpus is empty."""
-    source = settings.source
+    source, read, held = settings.source, report.docs["read"], writers["val"].docs
     if writers["train"].docs:
         return
-    filtered = sum(n for n, _ in report.filters.values())
-    if report.filters and filtered >= report.docs["quality"] and not writers["val"].docs:
+    # The first document always validates: a stage that took every other one is still what emptied the split.
+    left = f"; the {held:,} kept {'is' if held == 1 else 'are'} held out for validation" if held else ""
+    filtered, scored_out = sum(n for n, _ in report.filters.values()), report.docs["quality"]
+    others = read - held - filtered - scored_out  # copies and contaminated documents: those stages are not named
+    if report.filters and filtered >= max(scored_out, others):
         rule, (n, _) = max(report.filters.items(), key=lambda item: item[1][0])
         counts = ", ".join(f"{name} {d:,}" for name, (d, _) in report.filters.items())
-        removed = "every document"
-        if report.docs["quality"]:  # the filters took most, not all: the classifier took some too
-            quality = f"{settings.quality.flag} {report.docs['quality']:,}"
-            removed = f"{filtered:,} of {report.docs['read']:,} documents and {quality}"
+        removed = "every document" if filtered == read else f"{filtered:,} of {read:,} documents"
+        if scored_out:  # the filters took most, not all: the classifier took some too
+            removed += f" and {settings.quality.flag} {scored_out:,}"
         raise GptforgeError(
             f"{source}: --clean {settings.clean_mode} removed {removed} (filter {rule} removed {n:,} of "
-            f"{report.docs['read']:,}; {counts}); relax it with --clean-set or pass --clean none"
+            f"{read:,}; {counts}){left}; relax it with --clean-set or pass --clean none"
         )
-    if report.docs["quality"] and not writers["val"].docs:
+    if scored_out and scored_out >= others:
+        # No report.md is written: the scores' spread is what a threshold can be picked by.
+        deciles = report.quality()["deciles"]
+        spread = f"scores ranged {deciles[0]:.3f}-{deciles[-1]:.3f}, median {deciles[5]:.3f}"
+        lower = "lower --quality-threshold" if settings.quality.threshold is not None else "pass a --quality-threshold"
         raise GptforgeError(
-            f"{source}: {settings.quality.flag} removed {report.docs['quality']:,} of "
-            f"{report.docs['read']:,} documents and nothing else is left; lower --quality-threshold or pick another REF"
+            f"{source}: {settings.quality.flag} removed {scored_out:,} of {read:,} documents and nothing "
+            f"else is left to train on{left}; {spread}: {lower} or pick another REF"
         )
-    if writers["val"].docs == 0:
+    if held == 0:
         raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
     raise GptforgeError(
-        f"{source}: only {writers['val'].docs} document(s) kept, all held out for validation "
-        "(add documents, or pass --val-fraction 0)"
+        f"{source}: only {held} document(s) kept, all held out for validation (add documents, or pass --val-fraction 0)"
     )
 
 
