@@ -1,5 +1,6 @@
 """prepare --quality: GPT-3's classifier keeps documents like the reference's, by a seeded per-document rule."""
 
+import dataclasses
 import json
 import random
 import string
@@ -236,3 +237,20 @@ def test_filters_that_removed_most_but_not_all_are_not_said_to_have_removed_ever
     with pytest.raises(GptforgeError, match=r"--clean code removed 3 of 5 documents and --quality 2 \(filter"):
         prepare(settings, tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_changed_reference_or_labels_file_is_said_so_not_as_two_digests(tmp_path):
+    """The refusal read "state was '9b87…', now '21b9…'": true, but it did not say what had changed."""
+    _, corpus = _folders(tmp_path, n_ref=0, n_real=2, n_junk=0)
+    for q, said in (
+        (QualitySettings("ref"), "--quality REF's files changed"),
+        (QualitySettings(labels="l"), "l changed"),
+    ):
+        base = PrepareSettings.from_flags(str(corpus), quality=q)
+        old, new, other = (
+            dataclasses.replace(base, quality=dataclasses.replace(q, state=s, threshold=t))
+            for s, t in (("a" * 64, None), ("b" * 64, None), ("a" * 64, 0.5))
+        )
+        message = new.difference(old.to_json())
+        assert said in message and "aaaa" not in message
+        assert "threshold was the default, now 0.5" in other.difference(old.to_json())

@@ -170,9 +170,20 @@ class PrepareSettings:
         for key, flag in SETTING_FLAGS.items():
             if key == "corpus" and key in expected and saved.get(key) != expected[key]:
                 return f"SOURCE changed: {_files_said(saved.get(key))} then, {_files_said(expected[key])} now"
+            if key == "quality" and _only_state_differs(saved.get(key), expected.get(key)):
+                q = self.quality
+                what = "--quality REF's files" if q.reference is not None else f"--quality-labels {q.labels}"
+                return f"{what} changed since, so the classifier would learn from other documents"
             if key in expected and saved.get(key) != expected[key]:
                 return _changed(flag, saved.get(key), expected[key])
         return f"settings with keys this version does not write ({', '.join(sorted(set(saved) - set(expected)))})"
+
+
+def _only_state_differs(old: Any, new: Any) -> bool:
+    """Whether two saved quality settings differ in the digest of REF or the labels file alone."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return False
+    return {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)} == {"state"}
 
 
 def tokenizer_digest(tokenizer: str) -> str | None:
