@@ -254,3 +254,14 @@ def test_a_changed_reference_or_labels_file_is_said_so_not_as_two_digests(tmp_pa
         message = new.difference(old.to_json())
         assert said in message and "aaaa" not in message
         assert "threshold was the default, now 0.5" in other.difference(old.to_json())
+
+
+def test_a_folder_of_other_settings_is_refused_before_the_classifier_reads_the_corpus(tmp_path, monkeypatch):
+    """The classifier's sample is a pass over the whole corpus: it ran, then --out was refused."""
+    ref, corpus = _folders(tmp_path, n_real=4, n_junk=0)
+    (tmp_path / "out").mkdir()
+    saved = {"settings": _settings(corpus, ref, threshold=0).to_json(), "shards": []}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(saved))  # what an earlier prepare left
+    monkeypatch.setattr(quality, "sample", lambda *a: pytest.fail("the corpus was sampled before the refusal"))
+    with pytest.raises(GptforgeError, match="other settings .*threshold was 0, now 0.5"):
+        prepare(_settings(corpus, ref, threshold=0.5), tmp_path / "out", workers=1)

@@ -123,22 +123,31 @@ def destination(out: Path, settings: PrepareSettings, force: bool) -> Path | Non
         return out  # resume; or start over, as nothing was written yet or that attempt failed
     if is_empty_dir(out):
         return out
-    prior = done or progress
-    if prior is None:
+    if done is None and progress is None:
         check_output_dir(out, force)  # a folder that is not gptforge data: replaced only with --force
-    elif not force:
-        what = "data prepared" if done else "an unfinished prepare"
-        saved = prior.get("settings")
-        differs = settings.difference(saved if isinstance(saved, dict) else {})
-        raise GptforgeError(
-            f"{out}: holds {what} with other settings ({differs}); "
-            "pass --force to replace it (the old data stays until the new is complete), or pick another --out"
-        )
+    refuse_other_settings(out, settings, force)
     final = out.resolve()  # a temp folder beside '.' needs its real name
     unfinished = read_own(temp_dir_path(final) / PROGRESS)
     if unfinished is not None and settings.matches(unfinished.get("settings")):
         return temp_dir_path(final)  # a killed --force run resumes
     return temp_dir_for(final)
+
+
+def refuse_other_settings(out: Path, settings: PrepareSettings, force: bool) -> None:
+    """One line when `out` holds data (or an unfinished prepare) of other settings and --force is not given; checked
+    before the costly work too (the classifier reads the whole corpus first), and nothing is written."""
+    done, progress = read_own(out / MANIFEST), read_own(out / PROGRESS)
+    prior = done or progress
+    if force or prior is None or settings.matches(prior.get("settings")):
+        return
+    if done is None and _resumable(progress, settings):
+        return
+    saved = prior.get("settings")
+    differs = settings.difference(saved if isinstance(saved, dict) else {})
+    raise GptforgeError(
+        f"{out}: holds {'data prepared' if done else 'an unfinished prepare'} with other settings ({differs}); "
+        "pass --force to replace it (the old data stays until the new is complete), or pick another --out"
+    )
 
 
 def _resumable(progress: dict[str, Any], settings: PrepareSettings) -> bool:

@@ -38,6 +38,7 @@ from gptforge.data.outdir import (
     marked_if_failed,
     read_json,
     read_own,
+    refuse_other_settings,
     remove_own_files,
     remove_stale_temps,
     removed_if_failed,
@@ -151,6 +152,7 @@ def prepare(
     if done is not None and not force:
         return already_prepared(out, done, locked)  # decided reading only, so a finished read-only folder works
     docs, tok, ngrams = _checked_inputs(pipeline.nonempty(docs, skipped), settings)
+    refuse_other_settings(out, settings, force)  # checked again under the lock
     scorer = _classifier(settings)  # trained once, here, before the folder exists: a bad REF writes nothing
     created = not (out.exists() or out.is_symlink())
     try:
