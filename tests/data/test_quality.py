@@ -78,7 +78,7 @@ def test_the_classifier_keeps_real_functions_and_removes_garbage(tmp_path):
     state = m["settings"]["quality"].pop("state")
     assert m["settings"]["quality"] == {"reference": str(ref), "threshold": 0.3, "labels": None} and len(state) == 64
     (ref / "more.py").write_text(_function(5000))  # REF changed: the folder is not already prepared
-    with pytest.raises(GptforgeError, match="holds data prepared with other settings \\(--quality/--quality-labels"):
+    with pytest.raises(GptforgeError, match="with other settings \\(--quality REF's files changed since"):
         prepare(_settings(corpus, ref, threshold=0.3), tmp_path / "out", workers=1)
     again = prepare(_settings(corpus, ref, threshold=0.3), tmp_path / "out", workers=1, force=True)
     assert again["settings"]["quality"]["state"] not in (None, state)
