@@ -110,3 +110,20 @@ def test_the_summary_adds_up_and_does_not_say_wrote():
     lines = summarize({"splits": {"train": split}, "report": {"stages": stages}, "shards": [{}]}, "o").splitlines()
     assert lines[1] == "removed: empty skipped 4 (0.00 MB) of 6 documents met (see report.md)"
     assert lines[2] == "o: 1 shard(s) and manifest.json"
+
+
+def test_odd_file_names_keep_report_md_tables_whole():
+    """A `|`, a backtick or a newline in a name split its row (`a|b`c.py` read as three cells, `new⏎line.py` as two)."""
+    import re
+
+    from gptforge.data.report import Report, render
+
+    report = Report()
+    report.duplicate("exact", "new\nline.py", "a|b`c.py", 1.0, 10)
+    report.filter_removed("``x|.py", "code.max_line_length", "a line of 2,000 characters", 5)
+    report.scored("tab\there.py", 0.5, False, 3)
+    text = render(report.to_json(), {"source": "s", "quality": {"reference": "ref"}})
+    for table in re.findall(r"(?:^\|.*\n)+(?:^.+\n)*", text, re.MULTILINE):  # a table and any lines its rows spilled
+        widths = {len(re.findall(r"(?<!\\)\|", row)) for row in table.splitlines()}
+        assert all(row.startswith("|") for row in table.splitlines()) and len(widths) == 1, table
+    assert "``a\\|b`c.py``" in text and "`new\\nline.py`" in text and "``` ``x\\|.py ```" in text

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -141,12 +142,12 @@ def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
         lines += ["", "## Removed duplicates (first ones; the earliest document of a cluster is kept)", ""]
         lines += ["| removed | kept | kind | Jaccard similarity |", "| --- | --- | --- | ---: |"]
         lines += [
-            f"| `{p['removed']}` | `{p['kept']}` | {p['kind']} | {p['similarity']:.3f} |"
+            f"| {_code(p['removed'])} | {_code(p['kept'])} | {p['kind']} | {p['similarity']:.3f} |"
             for p in report["duplicate_pairs"]
         ]
     if report["filtered_samples"]:
         lines += ["", "## Filtered documents (first ones)", "", "| removed | filter | reason |", "| --- | --- | --- |"]
-        lines += [f"| `{f['removed']}` | `{f['filter']}` | {f['reason']} |" for f in report["filtered_samples"]]
+        lines += [f"| {_code(f['removed'])} | `{f['filter']}` | {f['reason']} |" for f in report["filtered_samples"]]
     if report.get("quality"):
         lines += _quality_lines(report["quality"], settings.get("quality") or {})
     return "\n".join(lines) + "\n"
@@ -166,5 +167,14 @@ def _quality_lines(quality: dict[str, Any], settings: dict[str, Any]) -> list[st
     for side in ("kept", "removed"):
         if quality["samples"][side]:
             lines += ["", f"First documents {side}:", "", "| document | score |", "| --- | ---: |"]
-            lines += [f"| `{d['document']}` | {d['score']:.3f} |" for d in quality["samples"][side]]
+            lines += [f"| {_code(d['document'])} | {d['score']:.3f} |" for d in quality["samples"][side]]
     return lines
+
+
+def _code(name: str) -> str:
+    """A document's name as a table cell's code span: a `|` escaped, a newline or tab shown as its escape, and a
+    fence longer than any run of backticks in the name (each would otherwise split the row or end the span)."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name).replace("|", "\\|")
+    fence = "`" * (max(map(len, re.findall("`+", shown)), default=0) + 1)
+    pad = " " if shown.startswith("`") or shown.endswith("`") else ""
+    return f"{fence}{pad}{shown}{pad}{fence}"
