@@ -212,7 +212,7 @@ def test_a_classifier_that_leaves_nothing_is_named_even_after_a_filter_removed_a
     assert not (tmp_path / "out").exists()
 
 
-def test_a_classifier_that_leaves_only_the_held_out_document_is_named_with_the_highest_score(tmp_path):
+def test_a_classifier_that_leaves_only_the_held_out_document_is_named_with_the_scores_spread(tmp_path):
     """The first document always validates: when the classifier took every other one, the message blamed
     --val-fraction ("all held out for validation"); and without the report, no score to pick a threshold by."""
     ref, corpus = _folders(tmp_path, n_real=0, n_junk=12)
@@ -265,3 +265,11 @@ def test_a_folder_of_other_settings_is_refused_before_the_classifier_reads_the_c
     monkeypatch.setattr(quality, "sample", lambda *a: pytest.fail("the corpus was sampled before the refusal"))
     with pytest.raises(GptforgeError, match="other settings .*threshold was 0, now 0.5"):
         prepare(_settings(corpus, ref, threshold=0.5), tmp_path / "out", workers=1)
+
+
+def test_labels_that_leave_nothing_are_not_told_to_pick_another_ref(tmp_path):
+    _, corpus = _folders(tmp_path, n_ref=0, n_real=3, n_junk=0)
+    labels = _labels(tmp_path / "labels.jsonl", [{"text": _function(i), "score": 0} for i in range(5)])
+    settings = PrepareSettings.from_flags(str(corpus), val_fraction=0, quality=QualitySettings(None, 0.5, str(labels)))
+    with pytest.raises(GptforgeError, match=r"median 0\.000: lower --quality-threshold or give other labels$"):
+        prepare(settings, tmp_path / "out", workers=1)

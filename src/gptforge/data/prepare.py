@@ -303,9 +303,10 @@ def _check_kept(settings: PrepareSettings, writers: dict[str, ShardWriter], repo
         deciles = report.quality()["deciles"]
         spread = f"scores ranged {deciles[0]:.3f}-{deciles[-1]:.3f}, median {deciles[5]:.3f}"
         lower = "lower --quality-threshold" if settings.quality.threshold is not None else "pass a --quality-threshold"
+        other = "pick another REF" if settings.quality.reference is not None else "give other labels"
         raise GptforgeError(
             f"{source}: {settings.quality.flag} removed {scored_out:,} of {read:,} documents and nothing "
-            f"else is left to train on{left}; {spread}: {lower} or pick another REF"
+            f"else is left to train on{left}; {spread}: {lower} or {other}"
         )
     if held == 0:
         raise GptforgeError(f"{source}: empty corpus (no documents with text were found)")
