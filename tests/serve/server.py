@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import re
+import signal
 import subprocess
 import threading
 
@@ -20,11 +21,18 @@ def serving(path, *flags, log=None):
 
 
 @contextlib.contextmanager
-def server_process(path, *flags, log=None):
-    """serving(), yielding the base URL and the server's Popen."""
+def server_process(path, *flags, log=None, sigint_ignored=False):
+    """serving(), yielding the base URL and the server's Popen; `sigint_ignored`: started as a script's background
+    job is (`cmd &` without job control), SIGINT ignored from the start, which Python then never turns into
+    KeyboardInterrupt."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     with open(log, "w") if log else contextlib.nullcontext(subprocess.DEVNULL) as err:
         server = subprocess.Popen(
-            cli("serve", path, "--port", "0", "--threads", "1", *flags), stdout=subprocess.PIPE, stderr=err, text=True
+            cli("serve", path, "--port", "0", "--threads", "1", *flags),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            preexec_fn=ignore,
         )
         try:
             lines: queue.Queue = queue.Queue()

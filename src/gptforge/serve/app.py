@@ -262,11 +262,15 @@ def serve(
     # busy 2-core machine. Frozen, they are skipped there (and in the full collections while serving).
     gc.freeze()
     previous = signal.signal(signal.SIGTERM, _terminated)
+    # Started as a script's background job (`gptforge serve ... &`), SIGINT is ignored from the start and uvicorn's
+    # re-raise of it after shutdown did nothing: Ctrl-C ended as "stopped", exit 0, unlike in a terminal (130).
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with contextlib.suppress(Terminated):
             Server(config, app.state.engine).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     print("gptforge serve: stopped", file=sys.stderr, flush=True)
 
 
