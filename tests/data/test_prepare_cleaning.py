@@ -226,6 +226,10 @@ def test_a_filter_that_removes_every_document_is_one_line(tmp_path):
             "web.min_words=30: changes web filters, which --clean code",
         ),
         ({"clean": "web", "clean_set": ["skip=web.c4_sentences,code.xml"]}, "changes code filters, which --clean web"),
+        (  # the classifier is not a filter section: say which flag sets its threshold
+            {"clean": "code", "clean_set": ["quality.threshold=0.5"]},
+            r"quality.threshold=0.5: the quality classifier's threshold is --quality-threshold T",
+        ),
     ],
 )
 def test_bad_cleaning_flags_are_one_line_before_any_work(tmp_path, kwargs, message):

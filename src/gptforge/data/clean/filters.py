@@ -221,6 +221,8 @@ def clean_settings(overrides: Iterable[str] = (), flag: str = "--clean-set") -> 
             skip = tuple(name.strip() for name in value.split(",") if name.strip())
             continue
         section, _, name = key.partition(".")
+        if section == "quality":  # --help calls the filters "quality filters": the classifier is not one of them
+            raise GptforgeError(f"{flag} {item}: the quality classifier's threshold is --quality-threshold T")
         changes_of = changes.get(section)
         if changes_of is None:
             raise GptforgeError(f"{flag} {item}: unknown section {section!r} (expected code, web or skip)")
