@@ -273,3 +273,13 @@ def test_labels_that_leave_nothing_are_not_told_to_pick_another_ref(tmp_path):
     settings = PrepareSettings.from_flags(str(corpus), val_fraction=0, quality=QualitySettings(None, 0.5, str(labels)))
     with pytest.raises(GptforgeError, match=r"median 0\.000: lower --quality-threshold or give other labels$"):
         prepare(settings, tmp_path / "out", workers=1)
+
+
+def test_a_reference_whose_files_were_all_skipped_says_why(tmp_path):
+    """A folder of latin-1 files read as "no reference documents with text", though each file had text."""
+    _, corpus = _folders(tmp_path, n_ref=0, n_real=2, n_junk=0)
+    (tmp_path / "ref" / "latin.py").write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    (tmp_path / "ref" / "blank.py").write_text("\n")
+    with pytest.raises(GptforgeError, match=r"no reference documents with text \(skipped: 1 empty, 1 undecodable\)$"):
+        prepare(_settings(corpus, tmp_path / "ref"), tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()

@@ -209,12 +209,14 @@ def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
     if settings.quality.reference is None:
         return None
     ref, text_field = resolve(settings.quality.reference, settings.text_field)
+    skipped: list[tuple[str, int, str]] = []  # REF's files without text: said when none had any
 
-    def texts(source: str) -> Iterator[str]:
-        return (text for _, text in pipeline.nonempty(documents(source, text_field, extensions=settings.extensions)))
+    def texts(source: str, skipped: list | None = None) -> Iterator[str]:
+        docs = documents(source, text_field, extensions=settings.extensions, skipped=skipped)
+        return (text for _, text in pipeline.nonempty(docs, skipped))
 
     try:
-        reference = quality.sample(texts(ref), quality.SAMPLE_DOCS, settings.seed)
+        reference = quality.sample(texts(ref, skipped), quality.SAMPLE_DOCS, settings.seed)
     except GptforgeError as e:
         raise GptforgeError(f"--quality: {e}") from None
     # Another stream of the same seed: a document in both REF and the corpus is not drawn in step on both sides.
@@ -222,7 +224,7 @@ def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
     print(
         f"quality classifier: {len(reference):,} reference documents against {len(corpus):,} of the corpus", flush=True
     )
-    return quality.train(reference, corpus, settings.quality, settings.seed)
+    return quality.train(reference, corpus, settings.quality, settings.seed, skipped=skipped)
 
 
 def _build(

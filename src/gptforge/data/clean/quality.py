@@ -11,6 +11,7 @@ verdict depends neither on the worker count nor on the order batches finish in.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -121,10 +122,15 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, key])
 
 
-def train(reference: list[str], corpus: list[str], settings: QualitySettings, seed: int) -> Classifier:
-    """A classifier of `reference` (label 1) against `corpus` (label 0), seeded; one line when a side is empty."""
+def train(
+    reference: list[str], corpus: list[str], settings: QualitySettings, seed: int, skipped: Iterable[tuple] = ()
+) -> Classifier:
+    """A classifier of `reference` (label 1) against `corpus` (label 0), seeded; one line when a side is empty.
+    `skipped`: REF's files read without text, as (name, bytes, why), said when no document is left."""
     if not reference:
-        raise GptforgeError(f"--quality {settings.reference}: no reference documents with text")
+        whys = Counter(why for _, _, why in skipped)
+        said = f" (skipped: {', '.join(f'{n:,} {why}' for why, n in whys.items())})" if whys else ""
+        raise GptforgeError(f"--quality {settings.reference}: no reference documents with text{said}")
     if not corpus:
         raise GptforgeError(f"--quality {settings.reference}: the corpus has no documents to learn against")
     sklearn = _sklearn()
