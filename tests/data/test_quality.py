@@ -83,7 +83,15 @@ def test_the_classifier_keeps_real_functions_and_removes_garbage(tmp_path):
     again = prepare(_settings(corpus, ref, threshold=0.3), tmp_path / "out", workers=1, force=True)
     assert again["settings"]["quality"]["state"] not in (None, state)
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "## Quality scores" in report and "First documents removed:" in report and "| quality |" in report
+    assert "## Quality scores" in report and "| quality |" in report
+    q = again["report"]["quality"]  # the run report.md is from
+    for i, (n, shown) in enumerate(zip(q["histogram"], q["samples"], strict=True)):
+        sides = {side: [d["score"] for d in shown[side]] for side in ("kept", "removed")}
+        assert all(i / 10 <= s < (i + 1) / 10 for s in sides["kept"] + sides["removed"]), (i, sides)
+        assert all(s >= 0.3 for s in sides["kept"]) and all(s < 0.3 for s in sides["removed"])
+        assert len(sides["kept"]) + len(sides["removed"]) == min(n, 3)  # a tenth is on one side of 0.3
+        row = f"| {i / 10:.1f}-{(i + 1) / 10:.1f} | {n:,} | "
+        assert row in report and all(f"`{d['document']}` ({d['score']:.3f})" in report for d in shown["removed"])
 
 
 def test_the_pareto_rule_keeps_by_score_seeded_per_document():

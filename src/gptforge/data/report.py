@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 SAMPLES = 10  # removed pairs and filtered documents shown in report.md
-QUALITY_SAMPLES = 3  # documents kept and removed by the quality classifier shown in report.md, each
+SIDES = ("kept", "removed")
+QUALITY_SAMPLES = 3  # documents kept and removed by the quality classifier shown per tenth of the scores, each
 REMOVED_FILE = "removed.jsonl"
 STAGES = (
     "read",
@@ -42,7 +43,10 @@ class Report:
     filtered: list[dict[str, str]] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
     scores: array = field(default_factory=lambda: array("d"))  # the quality classifier's, in document order
-    scored_samples: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"kept": [], "removed": []})
+    # per tenth of the score range, the first documents kept and removed in it (what a threshold there would cut)
+    scored_samples: list[dict[str, list[dict[str, Any]]]] = field(
+        default_factory=lambda: [{"kept": [], "removed": []} for _ in range(10)]
+    )
 
     def count(self, stage: str, n_bytes: int) -> None:
         self.docs[stage] += 1
@@ -84,17 +88,17 @@ class Report:
         if not kept:
             self.count("quality", n_bytes)
             self.removed.append(removal(name, "quality", bytes=n_bytes, score=round(score, 4)))
-        shown = self.scored_samples["kept" if kept else "removed"]
+        shown = self.scored_samples[_tenth(score)]["kept" if kept else "removed"]
         if len(shown) < QUALITY_SAMPLES:
             shown.append({"document": name, "score": round(score, 4)})
 
     def quality(self) -> dict[str, Any] | None:
-        """The scores' summary (count, mean, deciles, a histogram by tenths) and the first documents kept and
-        removed; None when no classifier ran."""
+        """The scores' summary (count, mean, deciles, a histogram by tenths) and, per tenth, the first documents
+        kept and removed; None when no classifier ran."""
         if not self.scores:
             return None
         scores = np.frombuffer(self.scores, dtype=np.float64)
-        tenths = np.minimum((scores * 10).astype(int), 9)  # a score of exactly 1 belongs to the last tenth
+        tenths = np.minimum((scores * 10).astype(int), 9)  # _tenth, for every score at once
         return {
             "count": len(scores),
             "mean": round(float(scores.mean()), 4),
@@ -162,13 +166,16 @@ def _quality_lines(quality: dict[str, Any], settings: dict[str, Any]) -> list[st
     )
     lines = ["", "## Quality scores", "", f"{source}; {rule}; "]
     lines[-1] += f"{quality['count']:,} documents scored, mean {quality['mean']:.3f}."
-    lines += ["", "| score | documents |", "| --- | ---: |"]
-    lines += [f"| {i / 10:.1f}-{(i + 1) / 10:.1f} | {n:,} |" for i, n in enumerate(quality["histogram"])]
-    for side in ("kept", "removed"):
-        if quality["samples"][side]:
-            lines += ["", f"First documents {side}:", "", "| document | score |", "| --- | ---: |"]
-            lines += [f"| {_code(d['document'])} | {d['score']:.3f} |" for d in quality["samples"][side]]
+    lines += ["", "| score | documents | first kept (score) | first removed (score) |", "| --- | ---: | --- | --- |"]
+    for i, (n, shown) in enumerate(zip(quality["histogram"], quality["samples"], strict=True)):
+        kept, removed = (", ".join(f"{_code(d['document'])} ({d['score']:.3f})" for d in shown[s]) for s in SIDES)
+        lines.append(f"| {i / 10:.1f}-{(i + 1) / 10:.1f} | {n:,} | {kept} | {removed} |")
     return lines
+
+
+def _tenth(score: float) -> int:
+    """The tenth of [0, 1] a score falls in (a score of exactly 1 in the last)."""
+    return min(int(score * 10), 9)
 
 
 def _code(name: str) -> str:
