@@ -137,10 +137,20 @@ def test_a_bad_reference_or_threshold_is_one_line_naming_the_flag(tmp_path, monk
     assert not (tmp_path / "out").exists()
 
 
-def test_quality_is_refused_with_datatrove_and_chat(tmp_path, capsys):
-    ref, corpus = _folders(tmp_path, n_ref=2, n_real=2, n_junk=2)
-    with pytest.raises(GptforgeError, match="--quality: not with --engine datatrove"):
-        prepare(_settings(corpus, ref), tmp_path / "out", engine=EngineSettings("datatrove"))
+def test_datatrove_tasks_keep_the_documents_the_local_engine_keeps(tmp_path):
+    """The classifier, trained once, travels to each task; the Pareto draws are seeded per document."""
+    ref, corpus = _folders(tmp_path)
+    local = prepare(_settings(corpus, ref), tmp_path / "local", workers=1)
+    tasks = prepare(_settings(corpus, ref), tmp_path / "dt", workers=1, engine=EngineSettings("datatrove", 2))
+    assert tasks["report"] == local["report"] and 0 < local["report"]["stages"]["quality"]["docs"] < 40
+    for name in [s["file"] for s in local["shards"]] + ["removed.jsonl", "report.md"]:
+        assert (tmp_path / "dt" / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
+
+
+def test_quality_is_refused_with_chat(tmp_path, capsys):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "a.py").write_text(_function(1))
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     assert main(["prepare", str(chat), "--out", str(tmp_path / "c"), "--chat", "--quality", str(ref)]) != 0

@@ -26,6 +26,7 @@ import numpy as np
 from gptforge.data import pipeline
 from gptforge.data.clean.dedup import DedupSettings, Fingerprint
 from gptforge.data.clean.filters import Filter
+from gptforge.data.clean.quality import Classifier
 from gptforge.data.pipeline import Job, Outcome
 from gptforge.data.sources import documents
 from gptforge.errors import GptforgeError
@@ -85,6 +86,7 @@ class Share:
     filters: list[Filter]
     dedup: DedupSettings
     work: str
+    quality: Classifier | None = None  # trained once, before the tasks: each scores its documents with the same one
 
     def __repr__(self) -> str:  # datatrove logs its pipeline: a line, not every filter's settings
         return f"gptforge encode of {self.source} into {self.work}"
@@ -94,7 +96,7 @@ def encode_share(share: Share, rank: int, world_size: int) -> int:
     """Task `rank`'s documents (index % world_size == rank), encoded and written under WORK_DIR; returns how many.
     Every task reads the listing (a document's index counts the documents with text before it); the per-document
     work, the costly part, is what is split."""
-    pipeline.load_worker(share.spec, share.ngrams, share.filters, share.dedup)
+    pipeline.load_worker(share.spec, share.ngrams, share.filters, share.dedup, quality=share.quality)
     skipped: list[tuple[str, int, str]] = []
     listing = documents(share.source, share.text_field, extensions=share.extensions, skipped=skipped)
     docs = pipeline.nonempty(listing, skipped)
@@ -183,7 +185,7 @@ def _record(o: Outcome) -> dict[str, Any]:
     return {
         "index": o.index, "split": o.split, "name": o.name, "n_tokens": o.n_tokens, "n_bytes": o.n_bytes,
         "key": None if fp is None else fp.key.hex(), "signature": sig, "shingles": shingles,
-        "failure": o.failure, "contaminated": o.contaminated,
+        "failure": o.failure, "contaminated": o.contaminated, "score": o.score,
     }  # fmt: skip
 
 
@@ -200,6 +202,9 @@ def _read_task(base: Path) -> Iterator[tuple[Outcome, np.ndarray]]:
                 )
                 fp = Fingerprint(bytes.fromhex(r["key"]), sig, shingles)
             failure = tuple(r["failure"]) if r["failure"] else None
-            o = Outcome(r["index"], r["split"], r["name"], r["n_tokens"], r["n_bytes"], fp, failure, r["contaminated"])
+            o = Outcome(
+                r["index"], r["split"], r["name"], r["n_tokens"], r["n_bytes"], fp, failure, r["contaminated"],
+                score=r["score"],
+            )  # fmt: skip
             yield o, np.asarray(tokens[offset : offset + o.n_tokens])
             offset += o.n_tokens

@@ -125,12 +125,6 @@ def prepare(
     folder holding anything else; `engine`: where the per-document work runs."""
     if workers is not None and workers <= 0:
         raise GptforgeError(f"--workers must be positive, got {workers}")
-    # Its tasks run encode in their own processes, which would need the classifier shipped with the Share.
-    if settings.quality.flag is not None and engine.name == "datatrove":
-        raise GptforgeError(
-            f"{settings.quality.flag}: not with --engine datatrove (its tasks do not carry the classifier); "
-            "use --engine local"
-        )
     engine = check_engine(engine)
     source = settings.source
     skipped: list[tuple[str, int, str]] = []  # (name, bytes, why): filled as the documents are read
@@ -346,7 +340,7 @@ def _tokenize(
     filters = build_filters(settings.clean_mode, settings.clean)
     if run.engine.name == "datatrove":
         share = Share(settings.source, settings.text_field, frozenset(settings.extensions), settings.val_fraction,
-                      settings.seed, spec, ngrams, filters, settings.dedup, str(out / WORK_DIR))  # fmt: skip
+                      settings.seed, spec, ngrams, filters, settings.dedup, str(out / WORK_DIR), scorer)  # fmt: skip
         batches = datatrove_outcomes(share, run.engine, skipped)
     else:
         batches = _local_outcomes(jobs(), spec, (ngrams, filters, settings.dedup, scorer), run.workers)
