@@ -381,6 +381,9 @@ def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
         f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB"
         for split, s in manifest["splits"].items()
     ]
+    held_out = manifest.get("settings", {}).get("val_fraction", 0) > 0
+    if held_out and not manifest["splits"].get("val", {}).get("docs"):  # the filters or the classifier took them
+        lines.append("val: none kept, the stages removed every held-out document: train will run without validation")
     if "report" in manifest:
         stages = manifest["report"]["stages"]
         removed = [
