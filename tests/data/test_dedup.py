@@ -152,6 +152,7 @@ LICENCE = [" ".join(random.Random(i).choices(LICENCE_WORDS, k=10)) for i in rang
     [
         ("Python", "".join(f"# {line}\n" for line in LICENCE)),
         ("C", "/*\n" + "".join(f" * {x}\n" for x in LICENCE) + " */\n"),
+        ("Python", '#!/usr/bin/env python\n"""Copyright 2026 A. Author\n' + "\n".join(LICENCE) + '"""\n\n'),
     ],
 )
 def test_a_shared_licence_header_makes_no_distinct_short_files_copies_and_hides_no_copy(language, header):
@@ -170,6 +171,11 @@ def test_only_a_comment_block_with_words_after_it_is_left_out_of_the_shingles():
     assert without_header("# Title\n\nSome prose.\n", "Markdown") == "# Title\n\nSome prose.\n"
     assert without_header("# Title\nrow\n", None) == "# Title\nrow\n"  # a JSONL record, a conversation
     assert without_header("#include <stdio.h>\nint x;\n", "C") == "#include <stdio.h>\nint x;\n"
+    assert without_header('#!x\n"""Licence\nterms."""\n\n# c\nimport os\n', "Python") == "import os\n"
+    assert without_header('"""What it does."""\nimport os\n', "Python") == '"""What it does."""\nimport os\n'
+    assert without_header('"""Only a licence."""\n', "Python") == '"""Only a licence."""\n'
+    assert without_header('x = """no docstring"""\ny = 1\n', "Python") == 'x = """no docstring"""\ny = 1\n'
+    assert without_header('"""Doc."""\nint x;\n', "C") == '"""Doc."""\nint x;\n'
     assert set(KIND) >= HASH_COMMENTED | C_COMMENTED  # languages.py's names
 
 

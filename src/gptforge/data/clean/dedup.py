@@ -35,6 +35,11 @@ C_COMMENTED = frozenset(
 # Blank lines and `#` lines, each ended; a blank line's spaces include a Windows line ending's \r.
 _HASH_HEADER = re.compile(r"(?:[^\S\n]*(?:#[^\n]*)?\n)+")
 _C_HEADER = re.compile(r"(?:\s*(?://[^\n]*|/\*.*?\*/))+", re.DOTALL)  # `//` lines and `/* */` blocks
+# A Python module's docstring, the other place a licence goes (40 short files behind one lost 39 to it), when it
+# names one: a plain docstring stays, being part of what a module is (without it recall at 3% edits fell to 0.98).
+DOCSTRING_HEADED = frozenset({"Python", "Cython"})
+_DOCSTRING = re.compile(r"[^\S\n]*[rRuU]?(\"\"\"|\'\'\').*?\1[^\S\n]*(?:\n|$)", re.DOTALL)
+_LICENCE = re.compile(r"copyright|licen[cs]e", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -87,12 +92,20 @@ def _compact(shingles: np.ndarray) -> np.ndarray:
 
 
 def without_header(text: str, language: str | None) -> str:
-    """`text` past its leading comment block when words follow it (a file of comments alone stays whole)."""
+    """`text` past its leading comment block (and a Python module's docstring naming a licence, with the comments
+    around it) when words follow it (a file of comments alone stays whole)."""
     pattern = _HASH_HEADER if language in HASH_COMMENTED else _C_HEADER if language in C_COMMENTED else None
-    header = pattern.match(text) if pattern is not None else None
-    if header is None or not _TOKEN.search(text, header.end()):
-        return text
-    return text[header.end() :]
+    end = _end_of(pattern, text, 0)
+    docstring = _DOCSTRING.match(text, end) if language in DOCSTRING_HEADED else None
+    if docstring is not None and _LICENCE.search(docstring.group()):
+        end = _end_of(pattern, text, docstring.end())
+    return text[end:] if _TOKEN.search(text, end) else text
+
+
+def _end_of(pattern: re.Pattern | None, text: str, start: int) -> int:
+    """Where `pattern`'s match at `start` ends (`start` when none)."""
+    found = pattern.match(text, start) if pattern is not None else None
+    return start if found is None else found.end()
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
