@@ -174,6 +174,10 @@ def test_only_a_comment_block_with_words_after_it_is_left_out_of_the_shingles():
     assert without_header('#!x\n"""Licence\nterms."""\n\n# c\nimport os\n', "Python") == "import os\n"
     assert without_header('"""What it does."""\nimport os\n', "Python") == '"""What it does."""\nimport os\n'
     assert without_header('"""Only a licence."""\n', "Python") == '"""Only a licence."""\n'
+    later = '"""Tools."""  # noqa\nimport os\nLICENSE = """MIT License"""\nprint(1)\n'  # ran on to a later string
+    assert without_header(later, "Python") == later
+    assert without_header('"""Copyright \\""" A."""  # noqa\r\nimport os\n', "Python") == "import os\n"
+    assert without_header('"""Copyright A.""" + B\nimport os\n', "Python") == '"""Copyright A.""" + B\nimport os\n'
     assert without_header('x = """no docstring"""\ny = 1\n', "Python") == 'x = """no docstring"""\ny = 1\n'
     assert without_header('"""Doc."""\nint x;\n', "C") == '"""Doc."""\nint x;\n'
     assert set(KIND) >= HASH_COMMENTED | C_COMMENTED  # languages.py's names

@@ -88,6 +88,30 @@ def test_a_datatrove_run_stopped_midway_reruns_only_its_unfinished_tasks(planted
     assert _result(m) == _result(local)
 
 
+@pytest.mark.slow
+def test_a_rerun_with_another_task_count_starts_the_tasks_over(planted, tmp_path, monkeypatch):
+    """Task i encodes the documents whose index modulo the task count is i: the finished tasks of a 4-task run,
+    kept by a 2-task rerun, covered shares 0 and 1 of 4, and half the documents went missing without a word."""
+    import gptforge.data.engine as engine
+
+    out, real = tmp_path / "out", engine.datatrove_outcomes
+
+    def killed_after_the_tasks(*args):
+        yield next(real(*args))
+        raise KeyboardInterrupt
+
+    settings = PrepareSettings.from_flags(str(planted), val_fraction=0.2)
+    monkeypatch.setattr("gptforge.data.prepare.datatrove_outcomes", killed_after_the_tasks)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(settings, out, workers=1, engine=EngineSettings("datatrove", 4))
+    for rank in ("00002", "00003"):  # as if tasks 2 and 3 had died
+        (out / ".datatrove" / f"{rank}.jsonl").unlink()
+        (out / ".datatrove" / "logs" / "completions" / rank).unlink()
+    monkeypatch.setattr("gptforge.data.prepare.datatrove_outcomes", real)
+    m = prepare(settings, out, workers=1, engine=EngineSettings("datatrove", 2))
+    assert _result(m) == _result(prepare(settings, tmp_path / "local", workers=1))
+
+
 def test_engine_flags_that_cannot_work_are_one_line(tmp_path, capsys, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()

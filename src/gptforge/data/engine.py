@@ -15,6 +15,7 @@ import heapq
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,7 +139,13 @@ def datatrove_outcomes(
     """Run the tasks not yet complete on the executor, then every document's outcome and tokens in document order;
     the files the reading skipped go to `skipped` (task 0 lists them)."""
     work = Path(share.work)
+    count = work / "tasks"
+    if work.exists() and (not count.is_file() or count.read_text() != str(engine.tasks)):
+        # Task i takes the documents whose index modulo the task count is i: another count's finished tasks hold
+        # other shares, and keeping them dropped every document in the shares of the tasks that had not finished.
+        shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
+    count.write_text(str(engine.tasks))
     logs = str(work / "logs")
     if engine.executor == "ray":
         from datatrove.executor.ray import RayPipelineExecutor
@@ -204,7 +211,7 @@ def _read_task(base: Path) -> Iterator[tuple[Outcome, np.ndarray]]:
             failure = tuple(r["failure"]) if r["failure"] else None
             o = Outcome(
                 r["index"], r["split"], r["name"], r["n_tokens"], r["n_bytes"], fp, failure, r["contaminated"],
-                score=r["score"],
+                score=r.get("score"),  # a task finished before --quality ran on datatrove wrote none
             )  # fmt: skip
             yield o, np.asarray(tokens[offset : offset + o.n_tokens])
             offset += o.n_tokens

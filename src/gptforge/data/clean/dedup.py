@@ -38,7 +38,10 @@ _C_HEADER = re.compile(r"(?:\s*(?://[^\n]*|/\*.*?\*/))+", re.DOTALL)  # `//` lin
 # A Python module's docstring, the other place a licence goes (40 short files behind one lost 39 to it), when it
 # names one: a plain docstring stays, being part of what a module is (without it recall at 3% edits fell to 0.98).
 DOCSTRING_HEADED = frozenset({"Python", "Cython"})
-_DOCSTRING = re.compile(r"[^\S\n]*[rRuU]?(\"\"\"|\'\'\').*?\1[^\S\n]*(?:\n|$)", re.DOTALL)
+_OPENING = re.compile(r"[^\S\n]*[rRuU]?(\"\"\"|\'\'\')")
+# The closing quotes, escapes skipped by a scan (a regex over the body backtracked for seconds on an unclosed one).
+_CLOSING = {quote: re.compile(r"\\.|" + quote, re.DOTALL) for quote in ('"""', "'''")}
+_LINE_END = re.compile(r"[^\S\n]*(?:#[^\n]*)?(?:\n|$)")  # only a comment may follow a docstring on its line
 _LICENCE = re.compile(r"copyright|licen[cs]e", re.IGNORECASE)
 
 
@@ -96,10 +99,20 @@ def without_header(text: str, language: str | None) -> str:
     around it) when words follow it (a file of comments alone stays whole)."""
     pattern = _HASH_HEADER if language in HASH_COMMENTED else _C_HEADER if language in C_COMMENTED else None
     end = _end_of(pattern, text, 0)
-    docstring = _DOCSTRING.match(text, end) if language in DOCSTRING_HEADED else None
-    if docstring is not None and _LICENCE.search(docstring.group()):
-        end = _end_of(pattern, text, docstring.end())
+    docstring = _docstring_end(text, end) if language in DOCSTRING_HEADED else None
+    if docstring is not None and _LICENCE.search(text, end, docstring):
+        end = _end_of(pattern, text, docstring)
     return text[end:] if _TOKEN.search(text, end) else text
+
+
+def _docstring_end(text: str, start: int) -> int | None:
+    """Where the docstring at `start` ends, past the rest of its line; None when there is none."""
+    opening = _OPENING.match(text, start)
+    if opening is None:
+        return None
+    closing = next((m for m in _CLOSING[opening.group(1)].finditer(text, opening.end()) if len(m.group()) == 3), None)
+    line_end = _LINE_END.match(text, closing.end()) if closing is not None else None
+    return None if line_end is None else line_end.end()
 
 
 def _end_of(pattern: re.Pattern | None, text: str, start: int) -> int:
