@@ -151,7 +151,8 @@ def render(report: dict[str, Any], settings: dict[str, Any]) -> str:
         ]
     if report["filtered_samples"]:
         lines += ["", "## Filtered documents (first ones)", "", "| removed | filter | reason |", "| --- | --- | --- |"]
-        lines += [f"| {_code(f['removed'])} | `{f['filter']}` | {f['reason']} |" for f in report["filtered_samples"]]
+        rows = report["filtered_samples"]
+        lines += [f"| {_code(f['removed'])} | `{f['filter']}` | {_cell(f['reason'])} |" for f in rows]
     if report.get("quality"):
         lines += _quality_lines(report["quality"], settings.get("quality") or {})
     return "\n".join(lines) + "\n"
@@ -181,7 +182,13 @@ def _tenth(score: float) -> int:
 def _code(name: str) -> str:
     """A document's name as a table cell's code span: a `|` escaped, a newline or tab shown as its escape, and a
     fence longer than any run of backticks in the name (each would otherwise split the row or end the span)."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name).replace("|", "\\|")
+    shown = _cell(name)
     fence = "`" * (max(map(len, re.findall("`+", shown)), default=0) + 1)
     pad = " " if shown.startswith("`") or shown.endswith("`") else ""
     return f"{fence}{pad}{shown}{pad}{fence}"
+
+
+def _cell(text: str) -> str:
+    """`text` kept to one table cell: a `|` escaped, a newline or tab shown as its escape (a filter's reason quotes
+    the document's own text)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text).replace("|", "\\|")
