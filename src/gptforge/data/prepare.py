@@ -205,9 +205,9 @@ def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
     ref, text_field = resolve(settings.quality.reference, settings.text_field)
     skipped: list[tuple[str, int, str]] = []  # REF's files without text: said when none had any
 
-    def texts(source: str, skipped: list | None = None) -> Iterator[str]:
-        docs = documents(source, text_field, extensions=settings.extensions, skipped=skipped)
-        return (text for _, text in pipeline.nonempty(docs, skipped))
+    def texts(source: str, skips: list | None = None) -> Iterator[str]:
+        docs = documents(source, text_field, extensions=settings.extensions, skipped=skips)
+        return (text for _, text in pipeline.nonempty(docs, skips))
 
     try:
         reference = quality.sample(texts(ref, skipped), quality.SAMPLE_DOCS, settings.seed)

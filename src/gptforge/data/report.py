@@ -14,6 +14,7 @@ import numpy as np
 
 SAMPLES = 10  # removed pairs and filtered documents shown in report.md
 SIDES = ("kept", "removed")
+TENTHS = 10  # the quality scores' histogram bins, each [i/10, (i+1)/10)
 QUALITY_SAMPLES = 3  # documents kept and removed by the quality classifier shown per tenth of the scores, each
 REMOVED_FILE = "removed.jsonl"
 STAGES = (
@@ -45,7 +46,7 @@ class Report:
     scores: array = field(default_factory=lambda: array("d"))  # the quality classifier's, in document order
     # per tenth of the score range, the first documents kept and removed in it (what a threshold there would cut)
     scored_samples: list[dict[str, list[dict[str, Any]]]] = field(
-        default_factory=lambda: [{"kept": [], "removed": []} for _ in range(10)]
+        default_factory=lambda: [{side: [] for side in SIDES} for _ in range(TENTHS)]
     )
 
     def count(self, stage: str, n_bytes: int) -> None:
@@ -88,7 +89,7 @@ class Report:
         if not kept:
             self.count("quality", n_bytes)
             self.removed.append(removal(name, "quality", bytes=n_bytes, score=round(score, 4)))
-        shown = self.scored_samples[_tenth(score)]["kept" if kept else "removed"]
+        shown = self.scored_samples[int(_tenths(score))]["kept" if kept else "removed"]
         if len(shown) < QUALITY_SAMPLES:
             shown.append({"document": name, "score": round(score, 4)})
 
@@ -98,12 +99,11 @@ class Report:
         if not self.scores:
             return None
         scores = np.frombuffer(self.scores, dtype=np.float64)
-        tenths = np.minimum((scores * 10).astype(int), 9)  # _tenth, for every score at once
         return {
             "count": len(scores),
             "mean": round(float(scores.mean()), 4),
             "deciles": [round(float(q), 4) for q in np.quantile(scores, np.linspace(0, 1, 11))],
-            "histogram": np.bincount(tenths, minlength=10).tolist(),
+            "histogram": np.bincount(_tenths(scores), minlength=TENTHS).tolist(),
             "samples": self.scored_samples,
         }
 
@@ -174,9 +174,9 @@ def _quality_lines(quality: dict[str, Any], settings: dict[str, Any]) -> list[st
     return lines
 
 
-def _tenth(score: float) -> int:
-    """The tenth of [0, 1] a score falls in (a score of exactly 1 in the last)."""
-    return min(int(score * 10), 9)
+def _tenths(scores: float | np.ndarray) -> np.ndarray:
+    """The tenth of [0, 1] each score falls in (a score of exactly 1 in the last)."""
+    return np.minimum((np.asarray(scores) * TENTHS).astype(int), TENTHS - 1)
 
 
 def _code(name: str) -> str:
