@@ -301,3 +301,17 @@ def test_a_reference_whose_files_were_all_skipped_says_why(tmp_path):
     with pytest.raises(GptforgeError, match=r"no reference documents with text \(skipped: 1 empty, 1 undecodable\)$"):
         prepare(_settings(corpus, tmp_path / "ref"), tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_scores_fall_in_their_tenth_and_a_perfect_one_in_the_last():
+    from gptforge.data.report import Report
+
+    report = Report()
+    for name, score, kept in (("a", 0.0, False), ("b", 0.099, False), ("c", 0.1, True), ("d", 0.95, True)):
+        report.scored(name, score, kept, 1)
+    report.scored("e", 1.0, True, 1)
+    q = report.quality()
+    assert q["histogram"] == [2, 1, 0, 0, 0, 0, 0, 0, 0, 2]
+    assert [d["document"] for d in q["samples"][9]["kept"]] == ["d", "e"] and q["samples"][0]["removed"][1][
+        "score"
+    ] == 0.099
