@@ -5,6 +5,12 @@ class GptforgeError(Exception):
     """Bad input or state, with a message naming the file or flag and what was expected."""
 
 
+def one_line(text: str) -> str:
+    """`text` kept to one line: a newline, tab or other control character in it (a path may hold one) written as
+    its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def first_detail(error: BaseException) -> str:
     """The first informative line of a library's multi-line message (torch's start with a bare header)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

@@ -110,6 +110,8 @@ def test_the_summary_adds_up_and_does_not_say_wrote():
     lines = summarize({"splits": {"train": split}, "report": {"stages": stages}, "shards": [{}]}, "o").splitlines()
     assert lines[1] == "removed: empty skipped 4 (0.00 MB) of 6 documents met (see report.md)"
     assert lines[2] == "o: 1 shard(s) and manifest.json"
+    odd = summarize({"splits": {"train": split}, "report": {"stages": stages}, "shards": [{}]}, "new\nline")
+    assert odd.splitlines()[-1] == "new\\nline: 1 shard(s) and manifest.json"  # a newline in --out stays escaped
     empty = {"docs": 0, "tokens": 0, "bytes": 0}
     for fraction, val, said in ((0.1, empty, True), (0.1, split, False), (0.0, empty, False)):
         m = {"settings": {"val_fraction": fraction}, "splits": {"train": split, "val": val}, "shards": [{}]}

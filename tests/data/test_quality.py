@@ -315,3 +315,9 @@ def test_scores_fall_in_their_tenth_and_a_perfect_one_in_the_last():
     assert [d["document"] for d in q["samples"][9]["kept"]] == ["d", "e"] and q["samples"][0]["removed"][1][
         "score"
     ] == 0.099
+
+
+def test_the_classifier_line_counts_its_documents_in_words(tmp_path, capsys):
+    ref, corpus = _folders(tmp_path, n_ref=1, n_real=3, n_junk=0)
+    prepare(_settings(corpus, ref, threshold=0.0), tmp_path / "out", workers=1)
+    assert "quality classifier: 1 reference document against 3 of the corpus" in capsys.readouterr().out

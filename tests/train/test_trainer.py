@@ -1,5 +1,6 @@
 """The training loop end to end on the tiny preset: artifacts, resume, budget, stability, compile, batch ramp."""
 
+import dataclasses
 import json
 import math
 import re
@@ -322,6 +323,9 @@ def test_a_run_without_a_validation_split_says_its_evaluations_are_skipped(data_
     evaluate = Evaluator(cfg, None, Data(data.sources, train_only, data.tokenizer, False), NullLog(), tmp_path, SINGLE)
     assert evaluate(0) is None
     assert capsys.readouterr().out.count(f"{data_dir}: no validation split: no evaluations (validation loss") == 1
+    odd = Data([dataclasses.replace(data.sources[0], path="new\nline")], train_only, data.tokenizer, False)
+    Evaluator(cfg, None, odd, NullLog(), tmp_path, SINGLE)
+    assert "new\\nline: no validation split" in capsys.readouterr().out  # one line, the folder's newline escaped
 
 
 def _with_languages(data, languages):

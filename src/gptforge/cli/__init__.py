@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gptforge import __version__
 from gptforge.cli.parser import build_parser
-from gptforge.errors import GptforgeError
+from gptforge.errors import GptforgeError, one_line
 from gptforge.runtime.allocator import keep_freed_memory
 
 PACKAGE = str(Path(__file__).parent.parent)
@@ -62,8 +62,7 @@ def _show_warning(command: str, default, message, category, filename, lineno, fi
     if not str(filename).startswith(PACKAGE):
         default(message, category, filename, lineno, file, line)
         return
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
-    print(f"gptforge {command}: warning: {text}", file=file or sys.stderr, flush=True)
+    print(f"gptforge {command}: warning: {one_line(message)}", file=file or sys.stderr, flush=True)
 
 
 def _fail(command: str, message: str, every_rank: bool = True) -> int:

@@ -49,7 +49,7 @@ from gptforge.data.report import REMOVED_FILE, Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
 from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes, source_state
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
-from gptforge.errors import GptforgeError
+from gptforge.errors import GptforgeError, one_line
 from gptforge.files import atomic_write, check_output_dir, locked, output_folder, swap_dir
 
 
@@ -198,7 +198,7 @@ def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
     --quality-labels' regressor; None without either. A missing or empty REF is one line naming --quality."""
     if settings.quality.labels is not None:
         texts, scores = quality.labelled(settings.quality.labels, settings.seed)
-        print(f"quality regressor: {len(texts):,} labelled documents", flush=True)
+        print(f"quality regressor: {len(texts):,} labelled document{'s' * (len(texts) != 1)}", flush=True)
         return quality.train_regressor(texts, scores, settings.quality, settings.seed)
     if settings.quality.reference is None:
         return None
@@ -216,7 +216,9 @@ def _classifier(settings: PrepareSettings) -> quality.Classifier | None:
     # Another stream of the same seed: a document in both REF and the corpus is not drawn in step on both sides.
     corpus = quality.sample(texts(settings.source), quality.SAMPLE_DOCS, settings.seed + 1)
     print(
-        f"quality classifier: {len(reference):,} reference documents against {len(corpus):,} of the corpus", flush=True
+        f"quality classifier: {len(reference):,} reference document{'s' * (len(reference) != 1)} against "
+        f"{len(corpus):,} of the corpus",
+        flush=True,
     )
     return quality.train(reference, corpus, settings.quality, settings.seed, skipped=skipped)
 
@@ -395,4 +397,4 @@ def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
         met = sum(c["docs"] for stage, c in stages.items() if stage == "read" or "skipped" in stage)
         lines.append(f"removed: {', '.join(removed) or 'nothing'} of {met:,} documents met (see report.md)")
     # Not "wrote": a folder already prepared was only read.
-    return "\n".join([*lines, f"{out_dir}: {len(manifest['shards'])} shard(s) and manifest.json"])
+    return "\n".join([*lines, one_line(f"{out_dir}: {len(manifest['shards'])} shard(s) and manifest.json")])

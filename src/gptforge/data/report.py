@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from gptforge.errors import one_line
+
 SAMPLES = 10  # removed pairs and filtered documents shown in report.md
 SIDES = ("kept", "removed")
 TENTHS = 10  # the quality scores' histogram bins, each [i/10, (i+1)/10)
@@ -191,4 +193,4 @@ def _code(name: str) -> str:
 def _cell(text: str) -> str:
     """`text` kept to one table cell: a `|` escaped, a newline or tab shown as its escape (a filter's reason quotes
     the document's own text)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text).replace("|", "\\|")
+    return one_line(text).replace("|", "\\|")

@@ -12,6 +12,7 @@ import torch
 from gptforge.config import Config
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import Source
+from gptforge.errors import one_line
 from gptforge.eval.code import CodeScores, evaluate_code, format_code
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.loss import bytes_per_token, evaluate_loss, evaluated_tokens, format_loss, mixture_loss
@@ -87,7 +88,7 @@ class Evaluator:
         self.metrics, self.run_dir, self.mixed = metrics, run_dir, data.mixed
         self.val_loaders = val_loaders(cfg, data)
         if not self.val_loaders:
-            print0(env, f"{', '.join(data.folders)}: no validation split: {NO_VAL}")
+            print0(env, one_line(f"{', '.join(data.folders)}: no validation split: {NO_VAL}"))
         self.hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
         self.seconds = 0.0
         """How long the last evaluation took (the time budget plans with it)."""
