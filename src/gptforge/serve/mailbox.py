@@ -20,9 +20,9 @@ class Mailbox:
         self.lock = threading.Lock()
         self.scheduled = False
 
-    def post(self, queue: asyncio.Queue, event: Any) -> None:
-        """Deliver `event` to `queue` on the loop, after every event posted before it."""
-        self.pending.append((queue, event))
+    def post(self, queue: asyncio.Queue, *events: Any) -> None:
+        """Deliver `events` to `queue` on the loop, in order, after every event posted before them."""
+        self.pending.extend([(queue, event) for event in events])  # one C call: never cut by a delivery
         with self.lock:
             if self.scheduled:  # a delivery is on its way and will take this event too
                 return
