@@ -8,6 +8,7 @@ import random
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -152,6 +153,11 @@ def test_resume_with_a_mix_is_exact_and_a_changed_mix_is_said(folders, tmp_path)
     before, after = [f"{code}=0.7", f"{prose}=0.3"], [f"{code}=0.5", f"{prose}=0.5"]
     changes = records(tmp_path / "b", "resume")[-1]["changes"]
     assert [c for c in changes if c.startswith("data.mix")] == [f"data.mix: {before!r} -> {after!r}"]
+
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000008")  # a folder dropped is a change of the mix alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it once warned that code's shards differed
+        train(mix_cfg(folders, "train.max_steps=8", "checkpoint.every=4", mix="code=1"), tmp_path / "b", resume="auto")
 
 
 @pytest.mark.slow

@@ -36,7 +36,8 @@ class Checkpointer:
     def __init__(self, run_dir: Path, cfg: Config, data: Data, setup: TrainSetup, env: DistEnv) -> None:
         self.run_dir, self.cfg, self.tokenizer, self.setup, self.env = run_dir, cfg, data.tokenizer, setup, env
         self.folders = data.folders
-        self.data = data.fingerprint  # what a resume compares against (the data may change under a run)
+        self.data = data
+        """What a resume compares against (the data may change under a run)."""
         self.last_good: Path | None = None
         """The newest checkpoint this run saved or resumed from."""
         self.seconds = 0.0
@@ -62,7 +63,7 @@ class Checkpointer:
                 f"last good checkpoint: {self.last_good or 'none yet'} (lower optim.lr or check the data)"
             )
         extra = {**state.state_dict(), "loader": batches.state_dict(), "scaler": s.scaler.state_dict()}
-        extra["data"] = self.data
+        extra["data"] = self.data.fingerprint
         saving = begin_checkpoint(
             self.run_dir, state.step, s.model, s.optimizer, self.cfg, self.tokenizer,
             extra=extra, env=self.env, background=self.background if background else None,
@@ -103,9 +104,10 @@ class Checkpointer:
         misfit = weights_misfit(s.model, ckpt)
         changes = config_changes(before, self.cfg, misfit)  # refuses a new structure before loading anything
         meta = restore_training_state(ckpt, s.model, s.optimizer, s.device, self.env)
-        if meta.get("data", self.data) != self.data:
+        changed = self.data.changed_since(meta.get("data"))
+        if changed:
             warnings.warn(
-                f"the data in {', '.join(self.folders)} is not what {ckpt} trained on (its shards differ): "
+                f"the data in {', '.join(changed)} is not what {ckpt} trained on (its shards differ): "
                 "the saved data position now points into other text",
                 stacklevel=2,
             )

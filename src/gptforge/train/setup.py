@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,17 @@ class Data:
         if not self.mixed:
             return fingerprint(self.manifests[0])
         return ",".join(f"{s.name}:{fingerprint(m)}" for s, m in zip(self.sources, self.manifests, strict=True))
+
+    def changed_since(self, saved: str | None) -> list[str]:
+        """The folders whose shards differ from those a checkpoint's `fingerprint` records. A folder added to or
+        dropped from a mix, or a switch between a mix and one folder, changes no folder's shards."""
+        if saved is None or saved == self.fingerprint or (":" in saved) != self.mixed:
+            return []
+        if not self.mixed:
+            return self.folders
+        before = dict(re.findall(r"(.*?):([0-9a-f]{16})(?:,|$)", saved))  # NAME:FINGERPRINT, ... (a name may hold ',')
+        now = [(s, fingerprint(m)) for s, m in zip(self.sources, self.manifests, strict=True)]
+        return [s.path for s, mark in now if before.get(s.name, mark) != mark]
 
 
 def open_data(cfg: Config) -> Data:
