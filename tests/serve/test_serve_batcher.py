@@ -40,7 +40,8 @@ class Request:
             prompts = [run.tokenizer.encode(p) for p in req.prompts]
         else:
             prompts = [infill_prompt(run.tokenizer, p, req.suffix) for p in req.prompts]
-        self.task: Task = batcher.submit(self.job, run, prompts, Started("step_000004", "alpha"))
+        self.ends: list = []  # what the batcher told the request's end callback, once
+        self.task: Task = batcher.submit(self.job, run, prompts, Started("step_000004", "alpha"), end=self.ends.append)
 
     def text(self, index: int = 0) -> str:
         return "".join(e.piece for e in self.events if isinstance(e, Text) and e.index == index)
@@ -98,6 +99,7 @@ def test_choices_beyond_the_capacity_wait_and_a_request_that_leaves_frees_its_ro
     drain(batcher, second)
     assert isinstance(second.task.result, Done) and second.events[0] == Started("step_000004", "alpha")
     assert second.task.result.usage["completion_tokens"] <= 3 and batcher.generating == 0
+    assert first.ends == [None] and second.ends == [second.task.result]  # each end told once, as it ended
 
 
 def test_a_request_past_its_time_ends_as_length_and_one_never_let_in_is_429(run):
@@ -107,7 +109,7 @@ def test_a_request_past_its_time_ends_as_length_and_one_never_let_in_is_429(run)
     late = Request(batcher, run, prompt="x", max_tokens=5)
     late.job.deadline = busy.job.deadline = time.monotonic()
     batcher.step()
-    assert late.task.result.error.status == 429 and late.events == []
+    assert late.task.result.error.status == 429 and late.events == [] and late.ends == [late.task.result]
     assert isinstance(busy.task.result, Done) and [busy.text(i).startswith("def") for i in range(3)] == [True] * 3
     assert {e for e in busy.events if isinstance(e, Finish)} == {Finish(i, "length") for i in range(3)}
     assert busy.text(2) == "def"  # never generated: its echo alone
@@ -133,7 +135,7 @@ def test_a_failure_while_generating_fails_those_requests_and_the_next_are_served
         patched.setattr(batcher_module, "forward_logits", broken)
         failed = Request(batcher, run, prompt="def", max_tokens=5, n=2)
         batcher.step()
-    assert failed.task.ended.is_set() and failed.task.result.error.status == 500
+    assert failed.task.ended.is_set() and failed.task.result.error.status == 500 and failed.ends == [failed.task.result]
     assert "a bug in a forward pass" in capsys.readouterr().err  # the traceback goes to the server's log
     served = Request(batcher, run, prompt="def", max_tokens=5, temperature=0)
     drain(batcher, served)

@@ -7,6 +7,7 @@ import json
 import shutil
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -51,11 +52,14 @@ def test_held_text_is_released_when_the_stop_does_not_follow_and_a_cut_character
 
 
 def completion(engine: Engine, body: dict, deadline: float | None = None) -> list[Event]:
-    """Run one request on the calling thread; its events."""
+    """Run one request to its end; its events."""
     events: list[Event] = []
+    ended = threading.Event()
     engine.admit()
     req = parse_completion({"model": "run", "prompt": "def", **body}, engine.limits)
-    engine.work(Job(req, events.append, time.monotonic() + 60 if deadline is None else deadline))
+    emit = lambda event: (events.append(event), isinstance(event, Done | Failed) and ended.set())  # noqa: E731
+    engine.start(Job(req, emit, time.monotonic() + 60 if deadline is None else deadline))
+    assert ended.wait(60), events
     return events
 
 

@@ -178,7 +178,7 @@ async def _events(engine: Engine, req: CompletionRequest, request: Request) -> A
             box.post(queue, *(Text(i, "".join(p)) for i, p in pieces.items()), *finishes, event)
 
     job = Job(req, emit, time.monotonic() + engine.limits.request_timeout)
-    threading.Thread(target=engine.work, args=(job,), daemon=True).start()
+    engine.start(job)
     watcher = asyncio.create_task(_watch_disconnect(request, job.cancel, queue))
     try:
         while True:

@@ -9,6 +9,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ class Task:
     job: Job
     run: Inference
     started: Started
+    end: Callable[[Event | None], None]  # told how it ended, once, from the batcher's thread
     prompt_tokens: int
     unfinished: int
     ends: set[int]
@@ -48,10 +50,6 @@ class Task:
     result: Event | None = None  # Done or Failed; None when its client went away
     ended: threading.Event = field(default_factory=threading.Event)
     prefills: dict[int, Prefill] = field(default_factory=dict)
-
-    def wait(self) -> Event | None:
-        self.ended.wait()
-        return self.result
 
 
 @dataclass(eq=False)
@@ -88,12 +86,14 @@ class Batcher:
     def start(self) -> None:
         threading.Thread(target=self._serve, daemon=True, name="gptforge-batcher").start()
 
-    def submit(self, job: Job, run: Inference, prompts: list[list[int]], started: Started) -> Task:
-        """Queue every choice of `job` (n per prompt); the task's wait() gives its last event."""
+    def submit(
+        self, job: Job, run: Inference, prompts: list[list[int]], started: Started, end: Callable[[Event | None], None]
+    ) -> Task:
+        """Queue every choice of `job` (n per prompt); `end` is told its last event."""
         req = job.req
         seed = secrets.randbits(63) if req.seed is None else req.seed % 2**63
         seeds = torch.randint(2**62, (len(prompts) * req.n,), generator=torch.Generator().manual_seed(seed))
-        task = Task(job, run, started, sum(map(len, prompts)), len(seeds), end_ids(run.tokenizer))
+        task = Task(job, run, started, end, sum(map(len, prompts)), len(seeds), end_ids(run.tokenizer))
         choices = [
             Choice(
                 task,
@@ -314,6 +314,7 @@ class Batcher:
         task.prefills.clear()
         task.result = result
         task.ended.set()
+        task.end(result)
 
     def _remove(self, choice: Choice) -> None:
         """Take a choice out of the batch (a no-op if it is not in it); its row goes to the last row in use."""
