@@ -142,3 +142,31 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     assert main([*args, "--force"]) == 1
     assert capsys.readouterr().err.startswith(f"gptforge demo: error: --base {tmp_path / 'notes'}: not a gptforge run")
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+
+
+def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_another_tokenizer(
+    tmp_path, corpus_dir, monkeypatch, capsys
+):
+    import gptforge.demo
+    from gptforge.data.chat.prepare import ChatSettings, prepare_chat
+    from gptforge.data.prepare import prepare
+    from gptforge.data.prepare_settings import PrepareSettings
+    from gptforge.data.shards import read_manifest
+    from gptforge.errors import GptforgeError
+
+    files = sorted(corpus_dir.glob("*.py"))[:8]
+    monkeypatch.setattr(gptforge.demo, "stdlib_documents", lambda: ((f.name, f.read_text()) for f in files))
+    data, chat = tmp_path / "data" / "stdlib", tmp_path / "data" / "stdlib-chat"
+    for vocab in (300, 320):  # --data prepared again with another BPE: the reused chat folder's ids meant other text
+        prepare(PrepareSettings.from_flags(str(corpus_dir), train_tokenizer=vocab), data, workers=1, force=True)
+        gptforge.demo.prepare_function_conversations(data, chat)
+        assert (chat / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
+        assert read_manifest(chat)["tokenizer"]["vocab_size"] == vocab
+    assert "prepared with another tokenizer than --data's; preparing it again" in capsys.readouterr().out
+    theirs = tmp_path / "theirs" / "stdlib-chat"  # a folder of the user's own conversations is never replaced
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(chat.with_name("stdlib-chat.jsonl").read_text())
+    prepare_chat(str(mine), theirs, ChatSettings(val_fraction=0.0))
+    with pytest.raises(GptforgeError, match="not from stdlib-chat.jsonl; move it away"):
+        gptforge.demo.prepare_function_conversations(data, theirs)
+    assert read_manifest(theirs)["tokenizer"]["name"] == "gpt2"

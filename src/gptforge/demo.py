@@ -18,7 +18,7 @@ from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
-from gptforge.data.shards import MANIFEST
+from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked, replacing_dir, to_json, write_json
@@ -171,12 +171,32 @@ def _base_checkpoint(base_dir: Path, data_dir: Path) -> Path:
 
 def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
     """`data/stdlib-chat.jsonl` (a request for each documented function of the stdlib, answered with its source,
-    in its file's split) and the chat folder prepared from it; both reused when present."""
+    in its file's split) and the chat folder prepared from it; both reused when present, the folder prepared again
+    once --data's tokenizer changed."""
     rows_file = chat_data.with_name(f"{chat_data.name}.jsonl")
     if not rows_file.is_file():
         lines = (to_json(row) + "\n" for row in conversation_rows(stdlib_documents(), VAL_FRACTION))
         atomic_write(rows_file, "".join(lines))
-    if not (chat_data / MANIFEST).is_file():
+    stale = (chat_data / MANIFEST).is_file() and _other_tokenizer(chat_data, data_dir, rows_file)
+    if stale or not (chat_data / MANIFEST).is_file():
         settings = ChatSettings(tokenizer=str(data_dir / TOKENIZER_FILE), val_fraction=0.0)
-        prepare_chat(str(rows_file), chat_data, settings)
+        prepare_chat(str(rows_file), chat_data, settings, force=stale)
     return rows_file
+
+
+def _other_tokenizer(chat_data: Path, data_dir: Path, rows_file: Path) -> bool:
+    """The demo's chat folder holds another tokenizer than --data's (--data was prepared again since): its ids
+    would mean other text to the base. A folder prepared from other rows than the demo's is refused, not replaced."""
+    try:
+        same = (chat_data / TOKENIZER_FILE).read_bytes() == (data_dir / TOKENIZER_FILE).read_bytes()
+    except OSError:  # no tokenizer.json: a folder of GPT-2 ids, which the demo's BPE does not read
+        same = False
+    if same:
+        return False
+    if Path(str(read_manifest(chat_data).get("source", ""))).name != rows_file.name:
+        raise GptforgeError(
+            f"{chat_data}: conversations prepared with another tokenizer than --data {data_dir}'s, and not from "
+            f"{rows_file.name}; move it away (the chat demo prepares its conversations there)"
+        )
+    print(f"{chat_data}: prepared with another tokenizer than --data's; preparing it again", flush=True)
+    return True
