@@ -64,6 +64,8 @@ GOOD = {
         (json.dumps({**GOOD, "shards": [{"split": "train"}]}).encode(), r"shards\[0\] has no 'file'"),
         (json.dumps({**GOOD, "shards": [{"file": "a.bin", "split": "test"}]}).encode(), r"shards\[0\].split is 'test'"),
         (json.dumps({**GOOD, "splits": {}}).encode(), "no 'splits.train' with 'tokens' and 'bytes'"),
+        (json.dumps({**GOOD, "chat": "yes"}).encode(), "'chat' is 'yes', expected an object with a 'special_tokens'"),
+        (json.dumps({**GOOD, "chat": {"special_tokens": ["<|im_start|>", "<|im_end|>"]}}).encode(), "has no 'mask'"),
     ],
 )
 def test_malformed_manifest_names_the_problem(tmp_path, content, problem):

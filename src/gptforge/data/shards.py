@@ -195,12 +195,18 @@ def _manifest_problem(manifest: Any) -> str | None:
         return "no 'tokenizer.name'"
     if not isinstance(tok.get("vocab_size"), int) or tok["vocab_size"] <= 0:
         return f"'tokenizer.vocab_size' is {tok.get('vocab_size')!r}, expected a positive integer"
+    chat = manifest.get("chat")  # a chat folder (prepare --chat): its template's tokens and a loss mask per shard
+    tokens = chat.get("special_tokens") if isinstance(chat, dict) else None
+    if chat and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        return f"'chat' is {chat!r}, expected an object with a 'special_tokens' list"
     shards = manifest.get("shards")
     if not isinstance(shards, list):
         return "no 'shards' list"
     for i, shard in enumerate(shards):
         if not isinstance(shard, dict) or not isinstance(shard.get("file"), str):
             return f"shards[{i}] has no 'file'"
+        if chat and not isinstance(shard.get("mask"), str):
+            return f"shards[{i}] has no 'mask' (a chat folder's loss mask file)"
         if shard.get("split") not in SPLITS:
             return f"shards[{i}].split is {shard.get('split')!r}, expected 'train' or 'val'"
         if not isinstance(shard.get("sha256", ""), str):
