@@ -81,12 +81,22 @@ def test_a_checkpoint_with_a_file_or_folder_linked_outside_path_is_skipped(serve
     step = served / "run" / "checkpoints" / "step_000004"
     bpe(step / "tok.json")
     set_tokenizer(step, "tok.json")
-    link_out(step if linked == "step_000004" else step / linked, served.parent / "elsewhere")
     http = client(served)
+    assert complete(http).json()["system_fingerprint"] == "step_000004"  # its verdict is known: it must be made again
+    link_out(step if linked == "step_000004" else step / linked, served.parent / "elsewhere")
     with pytest.warns(UserWarning, match=OUTSIDE):
         assert [m["checkpoint"] for m in http.get("/v1/models").json()["data"]] == ["step_000002"]
         answer = complete(http)
         assert answer.status_code == 200 and answer.json()["system_fingerprint"] == "step_000002"
+
+
+def test_a_checkpoint_damaged_after_it_was_served_is_skipped_at_the_next_request(served):
+    http = client(served)
+    assert complete(http).json()["system_fingerprint"] == "step_000004"
+    weights = served / "run" / "checkpoints" / "step_000004" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)  # what a full disk leaves
+    with pytest.warns(UserWarning, match="step_000004: damaged checkpoint"):
+        assert complete(http).json()["system_fingerprint"] == "step_000002"
 
 
 def test_a_checkpoints_folder_linked_outside_path_serves_no_model(served):
@@ -177,3 +187,14 @@ def test_a_checkpoint_file_that_never_opens_holds_up_no_other_client(served):
             with contextlib.suppress(OSError):
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         assert listing.result(timeout=10).json()["data"][0]["checkpoint"] == "step_000002"
+
+
+def test_verdicts_on_checkpoints_are_kept_for_a_bounded_number(served, monkeypatch):
+    """A server following a long training run sees a new checkpoint at every save."""
+    from gptforge.serve import runs
+
+    monkeypatch.setattr(runs, "VERDICTS_KEPT", 1)
+    monkeypatch.setattr(runs, "_VERDICTS", {})
+    source = runs.find_sources(served.resolve())["run"]
+    assert [ckpt.name for ckpt in source.checkpoints()] == ["step_000004", "step_000002"]
+    assert len(runs._VERDICTS) == 1

@@ -4,6 +4,7 @@ beyond PATH is read: every file and folder is opened only if, its links followed
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from pathlib import Path
 from gptforge.checkpoint import META, checkpoint_problem, checkpoints
 from gptforge.errors import GptforgeError
 from gptforge.rundir import CONFIG, METRICS
+
+VERDICTS_KEPT = 256  # checkpoints whose verdict is remembered (training adds one per save; pruned ones are dropped)
 
 
 class FolderGone(GptforgeError):
@@ -51,24 +54,37 @@ class Source:
             found = [self.folder]
         else:
             found = checkpoints(self.folder) if inside(self.root, self.folder / "checkpoints") else []
-        return (ckpt for ckpt in reversed(found) if self._confined(ckpt))
+        return (ckpt for ckpt in reversed(found) if self._verdict(ckpt).confined)
 
     def newest_checkpoint(self) -> Path | None:
         """The newest intact one (what the model answers with); with none intact the newest, whose damage a request
         is then told of; None without checkpoints."""
-        intact = next((ckpt for ckpt in self.checkpoints() if checkpoint_problem(ckpt) is None), None)
+        intact = next((ckpt for ckpt in self.checkpoints() if self._verdict(ckpt).problem is None), None)
         return intact or next(self.checkpoints(), None)
 
     def intact_checkpoint(self) -> Path:
         """The newest checkpoint that can be loaded: a damaged newer one is skipped with a warning."""
         problems = []
         for ckpt in self.checkpoints():
-            problem = checkpoint_problem(ckpt)
+            problem = self._verdict(ckpt).problem
             if problem is None:
                 return ckpt
             warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)
             problems.append(f"{ckpt.name}: {problem}")
         raise GptforgeError(f"the model '{self.name}' has no intact checkpoint ({'; '.join(problems) or 'none'})")
+
+    def _verdict(self, ckpt: Path) -> Verdict:
+        """The checks below, made again only when the folder's entries change: every request looks its model up,
+        and the checks read and parse files (a millisecond a request, a small model's whole step)."""
+        key, now = (self.root, ckpt), _signature(ckpt)
+        known = _VERDICTS.get(key)
+        if known is None or known[0] != now or now is None:
+            confined = self._confined(ckpt)
+            known = (now, Verdict(confined, checkpoint_problem(ckpt) if confined else None))
+            if len(_VERDICTS) >= VERDICTS_KEPT:
+                _VERDICTS.clear()
+            _VERDICTS[key] = known
+        return known[1]
 
     def _confined(self, ckpt: Path) -> bool:
         """The checkpoint folder and every file in it stay inside PATH (its tokenizer is one of them, by name)."""
@@ -76,6 +92,35 @@ class Source:
             return inside(self.root, ckpt) is not None and all(inside(self.root, p) for p in ckpt.iterdir())
         except OSError:  # pruned by training a moment ago
             return False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    confined: bool  # the folder and its files stay inside PATH (a checkpoint that does not is not listed)
+    problem: str | None  # why it cannot be loaded (checkpoint_problem), for one that is confined
+
+
+_VERDICTS: dict[tuple[Path, Path], tuple[tuple | None, Verdict]] = {}
+
+
+def _signature(folder: Path) -> tuple | None:
+    """Every entry below `folder` and the folder itself as lstat sees them (kind, size, times, inode): a rewrite,
+    a truncation, a link put in a file's place all change it. None when it cannot be read (never matched)."""
+    try:
+        entries, folders = [_stat(os.lstat(folder), str(folder))], [str(folder)]
+        while folders:
+            with os.scandir(folders.pop()) as found:
+                for entry in found:
+                    entries.append(_stat(entry.stat(follow_symlinks=False), entry.path))
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+    except OSError:
+        return None
+    return tuple(sorted(entries))
+
+
+def _stat(st: os.stat_result, path: str) -> tuple:
+    return path, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def check_root(path: str | Path) -> Path:
