@@ -250,6 +250,8 @@ def test_bad_dedup_numbers_are_one_line(tmp_path):
         (DedupSettings(shingle=65), r"--dedup-shingle must be in \[1, 64\], got 65"),
         (DedupSettings(hashes=1_000_000, bands=1), r"--dedup-hashes must be in \[1, 1024\], got 1000000"),
         (DedupSettings(hashes=2048, bands=2048), r"--dedup-hashes must be in \[1, 1024\], got 2048"),
+        (DedupSettings(mode="exact", hashes=64), "--dedup-hashes 64: tunes near de-duplication, which --dedup exact"),
+        (DedupSettings(mode="none", threshold=0.5), "--dedup-threshold 0.5: tunes near de-duplication"),
     ]:
         with pytest.raises(GptforgeError, match=message):
             prepare(PrepareSettings.from_flags(str(src), val_fraction=0, dedup=settings), tmp_path / "out", workers=1)

@@ -282,6 +282,14 @@ def check_dedup(settings: DedupSettings) -> DedupSettings:
         raise GptforgeError(
             f"--dedup-bands {settings.bands}: expected a positive divisor of --dedup-hashes {settings.hashes}"
         )
+    if settings.mode != "near":  # ignored, they would still count as other settings when the folder is reused
+        default = DedupSettings(mode=settings.mode)
+        for name in ("threshold", "shingle", "hashes", "bands"):
+            if getattr(settings, name) != getattr(default, name):
+                raise GptforgeError(
+                    f"--dedup-{name} {getattr(settings, name)}: tunes near de-duplication, which --dedup "
+                    f"{settings.mode} does not run; pass --dedup near"
+                )
     return settings
 
 
