@@ -99,6 +99,17 @@ def test_the_time_is_the_tokens_flops_at_the_stated_mfu():
     assert abs(wall * 8 / measured - 1) < 0.01 and gpu_hours == pytest.approx(wall * 8)
 
 
+def test_a_time_budget_that_ends_the_run_first_is_its_time_and_tokens():
+    cfg = load_config("gpt2-124m", ["train.time_budget=60"])  # max_steps alone: 5.9 h
+    r = report(cfg, "gpt2-124m", Hardware(gpus=2))
+    assert r["hours"] == pytest.approx(60 / 3600) and r["gpu_hours"] == pytest.approx(120 / 3600)
+    full = hours(load_config("gpt2-124m"), Hardware(gpus=2))[0] * 3600
+    assert r["tokens"] == cfg.train.batch_tokens * int(cfg.train.max_steps * 60 / full)
+    assert "GPU-hours), train.time_budget ends it at" in format_report(r)
+    longer = load_config("gpt2-124m", ["train.time_budget=1e9"])  # max_steps ends it first
+    assert hours(longer, Hardware()) == hours(load_config("gpt2-124m"), Hardware())
+
+
 def test_an_absurd_time_prints_a_short_figure():
     cfg = load_config("gpt2-124m")
     time = lambda mfu: format_report(report(cfg, "gpt2-124m", Hardware(mfu=mfu))).splitlines()[-2]  # noqa: E731

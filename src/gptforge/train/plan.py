@@ -191,11 +191,17 @@ def with_peak(cfg: Config, hardware: Hardware) -> Hardware:
 
 
 def hours(cfg: Config, hardware: Hardware) -> tuple[float, float]:
-    """(wall-clock hours, GPU-hours) for the config's token budget at the hardware's MFU."""
+    """(wall-clock hours, GPU-hours) for the config's token budget at the hardware's MFU, or for train.time_budget
+    when that ends the run first (it stops the run within it)."""
+    seconds = min(_steps_seconds(cfg, hardware), cfg.train.time_budget or math.inf)
+    return seconds / 3600, seconds * hardware.world / 3600
+
+
+def _steps_seconds(cfg: Config, hardware: Hardware) -> float:
+    """Wall-clock seconds of train.max_steps at the hardware's MFU."""
     hardware = with_peak(cfg, hardware)
     tokens = float(cfg.train.max_steps) * cfg.train.batch_tokens
-    seconds = cfg.model.flops_per_token() * tokens / (hardware.world * hardware.peak_tflops * 1e12 * hardware.mfu)
-    return seconds / 3600, seconds * hardware.world / 3600
+    return cfg.model.flops_per_token() * tokens / (hardware.world * hardware.peak_tflops * 1e12 * hardware.mfu)
 
 
 def strategy_of(cfg: Config) -> str:
@@ -225,13 +231,14 @@ def report(cfg: Config, name: str, hardware: Hardware) -> dict:
     """What `gptforge plan` prints, as data: the config, the hardware, each strategy's plan and the time."""
     hardware = with_peak(cfg, hardware)
     wall, gpu_hours = hours(cfg, hardware)
+    full = _steps_seconds(cfg, hardware)
     return {
         "config": name,
         "parameters": cfg.model.num_weights,
         "vocab_size": cfg.model.vocab_size,
         "block_size": cfg.model.block_size,
         "batch_tokens": cfg.train.batch_tokens,
-        "tokens": cfg.train.max_steps * cfg.train.batch_tokens,
+        "tokens": cfg.train.batch_tokens * min(cfg.train.max_steps, int(cfg.train.max_steps * wall * 3600 / full)),
         "hardware": dataclasses.asdict(hardware),
         "plans": [
             {**dataclasses.asdict(p), "total_gib": p.memory.total / GIB, "checkpointed_gib": p.checkpointed.total / GIB}
@@ -239,6 +246,7 @@ def report(cfg: Config, name: str, hardware: Hardware) -> dict:
         ],
         "hours": wall,
         "gpu_hours": gpu_hours,
+        "time_budget_ends_it": wall * 3600 < full,
     }
 
 
@@ -262,7 +270,8 @@ def format_report(r: dict) -> str:
             f"{p['largest_micro_batch']:>7}  {p['accumulation']:>5}{verdict}"
         )
     lines.append(
-        f"time: {_hours(r['hours'])} h ({_hours(r['gpu_hours'])} GPU-hours) at {hw['mfu'] * 100:g}% MFU of "
+        f"time: {_hours(r['hours'])} h ({_hours(r['gpu_hours'])} GPU-hours)"
+        f"{', train.time_budget ends it' if r['time_budget_ends_it'] else ''} at {hw['mfu'] * 100:g}% MFU of "
         f"{hw['peak_tflops']:g} TFLOP/s; ckpt = with model.activation_checkpointing=true"
     )
     lines.append("checked: within 15% of the peaks measured on one H100 in bf16; several GPUs not measured yet")
