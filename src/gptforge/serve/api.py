@@ -162,20 +162,21 @@ async def _events(engine: Engine, req: CompletionRequest, request: Request) -> A
     tells the worker to stop at its next token."""
     engine.admit()
     box, queue = mailbox(asyncio.get_running_loop()), asyncio.Queue()
-    pieces: dict[int, list[str]] = {}  # a plain answer's text and finishes, handed over with its end: see emit
-    finishes: list[Finish] = []
+    pieces: dict[int, list[str]] = {}  # a plain answer's text, and its other events, handed over with its end
+    held: list[Event] = []  # Started, then the finishes
 
     def emit(event: Event) -> None:
         # Nothing reads a plain answer before its end: waking the loop for every token of every request (a thread
         # switch each) set a small model's pace with 8 clients.
         if job.cancel.is_set():
             return
-        if not req.stream and isinstance(event, Text):
+        if req.stream or isinstance(event, Done | Failed):
+            texts = (Text(i, "".join(p)) for i, p in pieces.items())
+            box.post(queue, *held[:1], *texts, *held[1:], event)
+        elif isinstance(event, Text):
             pieces.setdefault(event.index, []).append(event.piece)
-        elif not req.stream and isinstance(event, Finish):
-            finishes.append(event)
-        else:  # Started (nothing held yet), or the request's last event
-            box.post(queue, *(Text(i, "".join(p)) for i, p in pieces.items()), *finishes, event)
+        else:
+            held.append(event)
 
     job = Job(req, emit, time.monotonic() + engine.limits.request_timeout)
     engine.start(job)
