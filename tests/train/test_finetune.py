@@ -146,6 +146,20 @@ def test_a_chat_run_and_its_base_disagreeing_on_fim_is_refused():
     check_fim(load_config("tiny", ["data.fim_rate=0.5"]), base, "chatml")
 
 
+def test_conversations_with_fim_on_either_side_are_refused():
+    """A chat folder's template ids are the two past the vocabulary, FIM's first sentinels to a FIM model: trained
+    as such they taught <|fim_prefix|> as a turn's start, and serving's prompts used ids never trained."""
+    from gptforge.train.finetune import chat_template
+
+    chat, plain = [{"chat": {"template": "chatml", "special_tokens": ["<|im_start|>", "<|im_end|>"]}}], [{}]
+    fim = load_config("tiny", ["data.fim_rate=0.5"])
+    with pytest.raises(GptforgeError, match=r"data.fim_rate=0.5: conversations \(prepare --chat\) are not trained"):
+        chat_template(fim, [*plain, *chat], None)  # a mix with a chat folder too
+    with pytest.raises(GptforgeError, match="train.init_from=base: trained with data.fim_rate=0.5; a FIM model is"):
+        chat_template(load_config("tiny", ["train.init_from=base"]), chat, fim)
+    assert chat_template(fim, plain, None) == "" and chat_template(load_config("tiny"), chat, None) == "chatml"
+
+
 def test_a_fine_tuning_computes_in_the_precision_its_base_learned_in(chat_dir, base, monkeypatch):
     import json as json_
 

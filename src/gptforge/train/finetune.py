@@ -25,8 +25,26 @@ def is_chat_data(manifests: list[dict[str, Any]]) -> bool:
 
 def chat_template(cfg: Config, manifests: list[dict[str, Any]], init_cfg: Config | None) -> str:
     """The template the run's model speaks: its data's, its own (a resume), or the model it starts from's."""
+    if is_chat_data(manifests):
+        check_no_fim(cfg, init_cfg)
     inherited = init_cfg.data.chat_template if init_cfg is not None else ""
     return TEMPLATE_NAME if is_chat_data(manifests) or cfg.data.chat_template or inherited else ""
+
+
+def check_no_fim(cfg: Config, init_cfg: Config | None) -> None:
+    """Refuse FIM with conversations: a chat folder holds the template's tokens at the two ids past the base
+    vocabulary, which are FIM's first sentinels to a model that has them (the loader would not rearrange them)."""
+    if cfg.data.fim_rate > 0:
+        raise GptforgeError(
+            f"data.fim_rate={cfg.data.fim_rate:g}: conversations (prepare --chat) are not trained with "
+            "fill-in-the-middle (their template's ids would read as FIM's sentinels); set data.fim_rate=0"
+        )
+    if init_cfg is not None and init_cfg.data.fim_rate > 0:
+        raise GptforgeError(
+            f"train.init_from={cfg.train.init_from}: trained with data.fim_rate={init_cfg.data.fim_rate:g}; a FIM "
+            "model is not fine-tuned on conversations (its sentinels hold the ids the template's tokens take in "
+            "the data): fine-tune a base trained without FIM"
+        )
 
 
 def check_fim(cfg: Config, init_cfg: Config | None, template: str) -> None:
