@@ -54,3 +54,21 @@ def test_transformers_generates_our_greedy_reply(exported):
     assert hf.generation_config.eos_token_id == [tok.eot, tok.im_end]
     end = theirs.index(tok.im_end) if tok.im_end in theirs else len(theirs)
     assert theirs[:end] == ours and len(ours) > 0
+
+
+def test_a_chat_export_imports_as_a_chat_model(tmp_path):
+    """export -> import keeps a chat model one (it came back as a base: `chat` and `sample --chat` refused it)."""
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.hub.publish import import_checkpoint
+
+    torch.manual_seed(0)
+    tok = with_chat(GPT2Tokenizer())
+    model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)).eval()
+    import_checkpoint(export_hf(model, tok, tmp_path / "hf"), tmp_path / "back")
+    back, back_tok, cfg, _ = load_checkpoint(tmp_path / "back")
+    assert cfg.data.chat_template == "chatml" and (back_tok.im_start, back_tok.im_end) == (tok.im_start, tok.im_end)
+    prompt = format_chat(tok, MESSAGES, add_generation_prompt=True).ids.tolist()
+    greedy = {"temperature": 0.0, "eot": tok.im_end}
+    assert generate(back, prompt, 8, **greedy) == generate(model, prompt, 8, **greedy)
+    import_checkpoint(export_hf(model, GPT2Tokenizer(), tmp_path / "plain"), tmp_path / "base")
+    assert load_checkpoint(tmp_path / "base")[2].data.chat_template == ""  # no template tokens: a base model

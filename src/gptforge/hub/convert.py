@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
-from gptforge.data.chat.template import CHAT_TEMPLATE, ChatTokenizer, added_tokens
+from gptforge.data.chat.template import CHAT_TEMPLATE, CHAT_TEXTS, ChatTokenizer, added_tokens, with_chat
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, read_text, usual_mode, write_json
@@ -268,14 +268,30 @@ def _tokenizer_name(hf_dir: Path, cfg: GPTConfig) -> str:
 
 
 def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> Tokenizer:
-    """The folder's tokenizer, which must give no id past config.json's vocab_size."""
+    """The folder's tokenizer, which must give no id past config.json's vocab_size; a chat model's (our export's
+    template tokens declared past its vocabulary) is a chat tokenizer again."""
     tokenizer = load_tokenizer(_tokenizer_name(hf_dir, cfg))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise GptforgeError(
             f"{hf_dir / 'config.json'}: vocab_size={cfg.vocab_size}, but the tokenizer ({tokenizer.name}) has "
             f"{tokenizer.vocab_size:,} tokens (expected at least as many)"
         )
-    return tokenizer
+    chat = with_chat(tokenizer)
+    return chat if chat.vocab_size <= cfg.vocab_size and _declares_chat_tokens(hf_dir, tokenizer) else tokenizer
+
+
+def _declares_chat_tokens(hf_dir: Path, tokenizer: Tokenizer) -> bool:
+    """The template's tokens are added at the two ids past the vocabulary, as export_hf declares them
+    (tokenizer_config.json's added_tokens_decoder; tokenizer.json's added_tokens once transformers saved it)."""
+    found: dict[str, Any] = {}
+    config, fast = folder_file(hf_dir, "tokenizer_config.json"), folder_file(hf_dir, "tokenizer.json")
+    if config.is_file():
+        decoder = read_json(config, dict, "an object of tokenizer settings").get("added_tokens_decoder")
+        found.update((k, v.get("content")) for k, v in (decoder or {}).items() if isinstance(v, dict))
+    if fast.is_file():
+        added = read_json(fast, dict, "a tokenizers JSON object").get("added_tokens")
+        found.update((str(t.get("id")), t.get("content")) for t in added or [] if isinstance(t, dict))
+    return all(found.get(str(tokenizer.vocab_size + i)) == text for i, text in enumerate(CHAT_TEXTS))
 
 
 def end_ids(tokenizer: Tokenizer) -> int | list[int]:

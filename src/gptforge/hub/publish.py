@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
 from gptforge.config import Config, lora_spec
+from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import check_output_dir, check_output_file
@@ -89,5 +90,6 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) 
     meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}
     cfg = Config(model=model.config)
     cfg.train.dtype = precision  # sampling and evaluation compute in it, as transformers would
+    cfg.data.chat_template = TEMPLATE_NAME if isinstance(tok, ChatTokenizer) else ""  # our chat export, back
     path = write_checkpoint(Path(out), model, None, cfg, tok, meta)
     return f"wrote {path}: {model.num_params():,} parameters, tokenizer {tok.name}"
