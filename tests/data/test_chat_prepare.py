@@ -179,6 +179,16 @@ def test_an_out_among_the_files_a_chat_prepare_reads_is_refused(tmp_path):
     assert kept.is_file() and evals.is_file()
 
 
+def test_a_chat_folder_prepared_inside_its_source_is_not_read_as_conversations(tmp_path):
+    """Its removed.jsonl was read as rows (every one a bad row), and a --force rerun refused as reading --out."""
+    (tmp_path / "d").mkdir()
+    _write(tmp_path / "d" / "a.jsonl", [*GOOD, "not json"])
+    first = prepare_chat(str(tmp_path / "d"), tmp_path / "d" / "out", ChatSettings(val_fraction=0))
+    for source in (str(tmp_path / "d"), str(tmp_path / "d" / "**" / "*.jsonl")):
+        again = prepare_chat(source, tmp_path / "d" / "out", ChatSettings(val_fraction=0), force=True)
+        assert again["removed"] == first["removed"] == {"bad rows (not JSON)": 1}
+
+
 def test_the_validation_loss_of_a_chat_folder_is_the_mean_over_the_replies_tokens(tmp_path):
     from gptforge.eval.loss import evaluate_loss
     from gptforge.model.gpt import GPT, GPTConfig

@@ -133,7 +133,7 @@ def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list
         raise GptforgeError(f"{source}: a link to {os.readlink(root)}, which does not exist")
     else:
         raise GptforgeError(f"{source}: no such file or directory (expected 'stdlib', hf:NAME, a file, folder or glob)")
-    ours = {p.parent for p, _ in named if p.name in (MANIFEST, PROGRESS) and _is_data_folder(p.parent)}
+    ours = {p.parent for p, _ in named if p.name in (MANIFEST, PROGRESS) and is_data_folder(p.parent)}
     named = [(p, n) for p, n in named if not any(d in p.parents for d in ours if d != root)]
     files, seen = [], set()
     for path, name in sorted(named):
@@ -148,7 +148,7 @@ def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list
     return files
 
 
-def _is_data_folder(folder: Path) -> bool:
+def is_data_folder(folder: Path) -> bool:
     """Whether `prepare` wrote `folder` (its manifest or progress file names the settings): its report.md and
     tokenizer.json are not a corpus, so a data folder inside a source is not read."""
     for marker in (MANIFEST, PROGRESS):

@@ -36,6 +36,7 @@ from gptforge.data.pipeline import is_validation
 from gptforge.data.prepare_settings import check_dedup
 from gptforge.data.report import REMOVED_FILE, removal
 from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_manifest, write_mask, write_shard
+from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, check_output_dir, locked, open_text, reading
@@ -89,15 +90,17 @@ def chat_files(source: str) -> list[Path]:
     """The JSONL files a SOURCE names: a file, a folder's *.jsonl[.gz] files or a glob, sorted."""
     root = Path(source)
     if glob.has_magic(source):
-        files = [Path(p) for p in sorted(glob.glob(source, recursive=True)) if Path(p).is_file()]
+        found = [Path(p) for p in sorted(glob.glob(source, recursive=True)) if Path(p).is_file()]
     elif root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p.is_file())
+        found = sorted(p for p in root.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p.is_file())
     elif root.is_file():
-        files = [root]
+        return [root]
     elif root.exists():
         raise GptforgeError(f"{source}: not a regular file or folder (a FIFO, socket or device is not a corpus)")
     else:
         raise GptforgeError(f"{source}: no such file or folder (expected JSONL conversations)")
+    # A data folder inside (an earlier --out there): its removed.jsonl lists removals, not conversations.
+    files = [p for p in found if not is_data_folder(p.parent)]
     if not files:
         raise GptforgeError(f"{source}: no .jsonl files of conversations in it")
     return files
