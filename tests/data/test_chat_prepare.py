@@ -165,6 +165,9 @@ def test_all_held_out_says_so_and_what_to_do(tmp_path):
         GptforgeError, match=r"all 2 usable conversations are held out .*--val-fraction 0, or mark rows"
     ):
         prepare_chat(str(src), tmp_path / "out", ChatSettings())
+    _write(src, [GOOD[0]] * 30 + ["{"])  # copies of the one held out: the count says where the rows went
+    with pytest.raises(GptforgeError, match=r"all 1 usable conversations of 31 rows \(1 bad \(not JSON\), 29 exact"):
+        prepare_chat(str(src), tmp_path / "out", ChatSettings())
 
 
 def test_an_out_among_the_files_a_chat_prepare_reads_is_refused(tmp_path):

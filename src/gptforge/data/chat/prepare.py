@@ -220,9 +220,11 @@ def _check_training_left(source: str, counts: ChatCounts, splits: dict[str, _Spl
     if splits["train"].docs:
         return
     if splits["val"].docs:
+        gone = {**{f"bad ({k})": v for k, v in counts.bad.items()}, **counts.removed}  # why 30 rows left 1
+        of = f" of {counts.rows:,} rows ({', '.join(f'{v:,} {k}' for k, v in gone.items())})" if gone else ""
         raise GptforgeError(
-            f"{source}: all {splits['val'].docs:,} usable conversations are held out (the first always is, and rows "
-            '"split": "val" are); pass --val-fraction 0, or mark rows "split": "train"'
+            f"{source}: all {splits['val'].docs:,} usable conversations{of} are held out (the first always is, and "
+            'rows "split": "val" are); pass --val-fraction 0, or mark rows "split": "train"'
         )
     shown = f" (first: {counts.bad_rows[0]})" if counts.bad_rows else ""
     raise GptforgeError(f"{source}: no usable conversation in {counts.rows:,} rows{shown}")
