@@ -105,6 +105,9 @@ def test_a_bad_key_an_unknown_model_a_huge_body_and_bad_json(client, server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{server}/api/runs", timeout=30).status_code == 401  # the page's data needs the key too
+    for header in (f"bearer {KEY}", f"BEARER  {KEY}", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", KEY):
+        answer = httpx.get(f"{server}/v1/models", headers={"Authorization": header}, timeout=30)
+        assert answer.status_code == (200 if header.lower().startswith("bearer ") and header.endswith(KEY) else 401)
     infill = httpx.post(f"{server}/infill", json={"model": "alpha", "input_prefix": "def"}, timeout=30)
     assert infill.status_code == 401, infill.text  # llama.cpp's route drove the model without the key
     with pytest.raises(openai.NotFoundError) as caught:

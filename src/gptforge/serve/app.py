@@ -134,8 +134,9 @@ class RequireKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(GUARDED) and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # the scheme's case does not matter (RFC 9110 11.1): some clients send "bearer"
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.lstrip(b" "), self.key):
                 error = ApiError(
                     401, "missing or incorrect API key (send Authorization: Bearer KEY)", None, "invalid_api_key"
                 )
