@@ -1,5 +1,6 @@
 """Hugging Face interop: logit parity after import and export, round trips, tokenizer files, publishing."""
 
+import dataclasses
 import json
 import subprocess
 
@@ -327,3 +328,29 @@ def test_damaged_hf_weights_are_one_line(tmp_path, damage, message):
     damage(tmp_path / "hf")
     with pytest.raises(GptforgeError, match=message):
         import_hf(tmp_path / "hf")
+
+
+def test_a_fim_export_imports_as_a_fim_model(tmp_path):
+    """export -> import keeps a FIM model one (its sentinels declared past the vocabulary; it came back as a model
+    `sample --suffix` and serve's infill refused)."""
+    from gptforge.data.chat.template import with_chat
+    from gptforge.data.fim import infill_prompt, with_fim
+    from gptforge.data.tokenizer import GPT2Tokenizer
+    from gptforge.hub.publish import import_checkpoint
+    from gptforge.model.generate import generate
+
+    torch.manual_seed(0)
+    tok = with_fim(GPT2Tokenizer(), 0.5)
+    model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)).eval()
+    import_checkpoint(export_hf(model, tok, tmp_path / "hf"), tmp_path / "back")
+    back, back_tok, cfg, _ = load_checkpoint(tmp_path / "back")
+    assert cfg.data.fim_rate > 0 and back_tok.sentinels == tok.sentinels
+    prompt = infill_prompt(tok, "def add(a, b):\n", "\n    return c\n")
+    assert generate(back, prompt, 8, temperature=0.0) == generate(model, prompt, 8, temperature=0.0)
+    both = with_chat(tok)  # a FIM model's chat tokens come after its sentinels: both are found again
+    wider = GPT(dataclasses.replace(model.config, vocab_size=both.vocab_size))
+    import_checkpoint(export_hf(wider, both, tmp_path / "hf2"), tmp_path / "both")
+    cfg = load_checkpoint(tmp_path / "both")[2]
+    assert cfg.data.fim_rate > 0 and cfg.data.chat_template == "chatml"
+    import_checkpoint(export_hf(model, GPT2Tokenizer(), tmp_path / "plain"), tmp_path / "base")
+    assert load_checkpoint(tmp_path / "base")[2].data.fim_rate == 0  # no sentinels declared: no FIM

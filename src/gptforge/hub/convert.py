@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
 from gptforge.data.chat.template import CHAT_TEMPLATE, CHAT_TEXTS, ChatTokenizer, added_tokens, with_chat
+from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, read_text, usual_mode, write_json
@@ -276,13 +277,17 @@ def _hf_tokenizer(hf_dir: Path, cfg: GPTConfig) -> Tokenizer:
             f"{hf_dir / 'config.json'}: vocab_size={cfg.vocab_size}, but the tokenizer ({tokenizer.name}) has "
             f"{tokenizer.vocab_size:,} tokens (expected at least as many)"
         )
-    chat = with_chat(tokenizer)
-    return chat if chat.vocab_size <= cfg.vocab_size and _declares_chat_tokens(hf_dir, tokenizer) else tokenizer
+    for extend, texts in ((FIMTokenizer, FIM_TEXTS), (with_chat, CHAT_TEXTS)):  # in the order a model appends them
+        wider = extend(tokenizer)
+        if wider.vocab_size <= cfg.vocab_size and _declares_tokens(hf_dir, tokenizer, texts):
+            tokenizer = wider
+    return tokenizer
 
 
-def _declares_chat_tokens(hf_dir: Path, tokenizer: Tokenizer) -> bool:
-    """The template's tokens are added at the two ids past the vocabulary, as export_hf declares them
-    (tokenizer_config.json's added_tokens_decoder; tokenizer.json's added_tokens once transformers saved it)."""
+def _declares_tokens(hf_dir: Path, tokenizer: Tokenizer, texts: tuple[str, ...]) -> bool:
+    """`texts` (FIM's sentinels, the chat template's tokens) are added at the ids past the vocabulary, as export_hf
+    declares them (tokenizer_config.json's added_tokens_decoder; tokenizer.json's added_tokens once transformers
+    saved it)."""
     found: dict[str, Any] = {}
     config, fast = folder_file(hf_dir, "tokenizer_config.json"), folder_file(hf_dir, "tokenizer.json")
     if config.is_file():
@@ -291,7 +296,7 @@ def _declares_chat_tokens(hf_dir: Path, tokenizer: Tokenizer) -> bool:
     if fast.is_file():
         added = read_json(fast, dict, "a tokenizers JSON object").get("added_tokens")
         found.update((str(t.get("id")), t.get("content")) for t in added or [] if isinstance(t, dict))
-    return all(found.get(str(tokenizer.vocab_size + i)) == text for i, text in enumerate(CHAT_TEXTS))
+    return all(found.get(str(tokenizer.vocab_size + i)) == text for i, text in enumerate(texts))
 
 
 def end_ids(tokenizer: Tokenizer) -> int | list[int]:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
 from gptforge.config import Config, lora_spec
-from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer
+from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer, added_tokens
+from gptforge.data.fim import FIM_TEXTS
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import check_output_dir, check_output_file
@@ -91,5 +92,7 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) 
     cfg = Config(model=model.config)
     cfg.train.dtype = precision  # sampling and evaluation compute in it, as transformers would
     cfg.data.chat_template = TEMPLATE_NAME if isinstance(tok, ChatTokenizer) else ""  # our chat export, back
+    # our FIM export, back: the rate is not exported, StarCoder's stands for it (what counts is that it is not 0)
+    cfg.data.fim_rate = 0.5 if FIM_TEXTS[0] in added_tokens(tok).values() else 0.0
     path = write_checkpoint(Path(out), model, None, cfg, tok, meta)
     return f"wrote {path}: {model.num_params():,} parameters, tokenizer {tok.name}"
