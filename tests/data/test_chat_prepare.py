@@ -89,9 +89,15 @@ def test_bad_rows_are_skipped_counted_and_named_by_line_and_copies_removed(tmp_p
 
 def test_a_file_with_no_usable_row_is_one_line_and_writes_nothing(tmp_path):
     src = _write(tmp_path / "chats.jsonl", [_turns(("user", "alone")), "[]"])
-    with pytest.raises(GptforgeError, match=r"no usable conversation in 2 rows \(first: .*chats.jsonl:1"):
+    with pytest.raises(
+        GptforgeError, match=r"no usable conversation in 2 rows \(2 bad \(messages\)\); first bad row: "
+    ):
         prepare_chat(str(src), tmp_path / "out", ChatSettings())
     assert not (tmp_path / "out").exists()
+    evals = _write(tmp_path / "eval.jsonl", [{"q": " ".join(f"w{i}" for i in range(13))}])
+    _write(src, [_turns(("user", " ".join(f"w{i}" for i in range(13))), ("assistant", "x"))])
+    with pytest.raises(GptforgeError, match=r"no usable conversation in 1 rows \(1 contaminated\)$"):  # said no why
+        prepare_chat(str(src), tmp_path / "out", ChatSettings(decontaminate=(str(evals),)))
 
 
 def test_a_damaged_mask_is_named(tmp_path):

@@ -216,18 +216,19 @@ def _fingerprint(messages: list[Message], settings: DedupSettings) -> Fingerprin
 
 
 def _check_training_left(source: str, counts: ChatCounts, splits: dict[str, _Split]) -> None:
-    """One line when no conversation is left to train on, saying why."""
+    """One line when no conversation is left to train on, saying why (where the rows went: 30 copies leave 1)."""
     if splits["train"].docs:
         return
+    gone = {**{f"bad ({k})": v for k, v in counts.bad.items()}, **counts.removed}
+    why = f" ({', '.join(f'{v:,} {k}' for k, v in gone.items())})" if gone else ""
     if splits["val"].docs:
-        gone = {**{f"bad ({k})": v for k, v in counts.bad.items()}, **counts.removed}  # why 30 rows left 1
-        of = f" of {counts.rows:,} rows ({', '.join(f'{v:,} {k}' for k, v in gone.items())})" if gone else ""
+        of = f" of {counts.rows:,} rows{why}" if gone else ""
         raise GptforgeError(
             f"{source}: all {splits['val'].docs:,} usable conversations{of} are held out (the first always is, and "
             'rows "split": "val" are); pass --val-fraction 0, or mark rows "split": "train"'
         )
-    shown = f" (first: {counts.bad_rows[0]})" if counts.bad_rows else ""
-    raise GptforgeError(f"{source}: no usable conversation in {counts.rows:,} rows{shown}")
+    shown = f"; first bad row: {counts.bad_rows[0]}" if counts.bad_rows else ""
+    raise GptforgeError(f"{source}: no usable conversation in {counts.rows:,} rows{why}{shown}")
 
 
 def _write(
