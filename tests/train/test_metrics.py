@@ -52,6 +52,19 @@ def test_metrics_are_strict_json_and_a_restart_supersedes_what_it_redoes(tmp_pat
     assert [r["step"] for r in records["val"]] == [2]
 
 
+def test_a_line_torn_by_a_crash_is_dropped_before_a_resume_appends(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.write("train", 1, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=8, tokens_per_s=1.0)
+    path = tmp_path / METRICS
+    path.write_text(path.read_text() + '{"kind": "train", "step": 2, "lo')  # a kill -9 mid-append
+    with MetricsLog(tmp_path) as log:  # the resumed run; the torn record was appended to: line 2 unreadable
+        log.write("train", 2, loss=1.0, lr=1e-3, grad_norm=1.0, tokens=16, tokens_per_s=1.0)
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)["train"]] == [(1, 2.0), (2, 1.0)]
+    path.write_text('{"kind": "train", "st')  # torn alone: the file starts over
+    MetricsLog(tmp_path).close()
+    assert path.read_text() == ""
+
+
 def test_a_wandb_that_cannot_start_is_one_line(data_dir, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
 
