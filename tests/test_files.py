@@ -102,6 +102,13 @@ def test_a_line_torn_by_a_crash_is_skipped_only_where_asked_and_only_at_the_end(
     log.write_text('{"kind": "tr\n{"kind": "train", "step": 2}')
     with pytest.raises(GptforgeError, match=":1: not JSON"):
         list(read_jsonl(log, torn_tail_ok=True))
+    samples = tmp_path / "samples.jsonl"  # a resumed run's next sample goes on a line of its own, the torn one dropped
+    samples.write_text('{"step": 1}\n{"step": 2, "text": "' + "x" * 70_000)  # torn past one 64 KiB block
+    append_jsonl(samples, {"step": 3})
+    assert [r["step"] for _, r in read_jsonl(samples)] == [1, 3]
+    samples.write_text('{"step": 1, "te')
+    append_jsonl(samples, {"step": 4})
+    assert [r["step"] for _, r in read_jsonl(samples)] == [4]
 
 
 def test_unreadable_jsonl_is_one_clear_error(tmp_path):

@@ -394,5 +394,29 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
 
 def append_jsonl(path: str | Path, record: Any) -> None:
     """Add one line to an append-only log (metrics, samples): a crash can cut only the line being written."""
-    with writing(Path(path)), open(path, "a", encoding="utf-8") as f:
-        f.write(to_json(record) + "\n")
+    with writing(Path(path)):
+        cut_torn_tail(Path(path))
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(to_json(record) + "\n")
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Drop a last line a crash left without its newline from an append-only log: a line appended to it would tear
+    both records, and readers refuse a torn line that is not the last."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        start = end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":  # whole: the usual case costs one byte's read
+            return
+        while start > 0:
+            start = max(0, start - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            if b"\n" in block:
+                f.truncate(start + block.rindex(b"\n") + 1)
+                return
+        f.truncate(0)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import atomic_write, to_json, writing
+from gptforge.files import atomic_write, cut_torn_tail, to_json, writing
 from gptforge.rundir import METRICS
 
 
@@ -19,7 +19,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, tensorboard: bool = False, wandb_project: str = "", config: dict | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self._path = run_dir / METRICS
-        _cut_torn_tail(self._path)
+        cut_torn_tail(self._path)  # a resume appends: never onto a line a crash tore
         self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
         self._tb = self._wandb = None
         try:
@@ -57,24 +57,6 @@ class MetricsLog:
 
 WANDB_ID = "wandb_id"
 """RUN_DIR/wandb_id: the W&B run a resumed run goes on logging to."""
-
-
-def _cut_torn_tail(path: Path) -> None:
-    """Drop a last line a crash left without its newline: a resume appending to it would tear both records, and
-    every reader refuses a torn line that is not the last."""
-    if not path.is_file():
-        return
-    with open(path, "rb+") as f:
-        end = f.seek(0, 2)
-        start = end
-        while start > 0:
-            start = max(0, start - 65536)
-            f.seek(start)
-            block = f.read(end - start)
-            if b"\n" in block:
-                f.truncate(start + block.rindex(b"\n") + 1)
-                return
-        f.truncate(0)
 
 
 def _open_tensorboard(run_dir: Path, config: dict | None):
