@@ -196,8 +196,12 @@ def test_init_from_with_another_tokenizer_is_refused(tmp_path, data_dir):
     export_hf(model, tok, tmp_path / "hf")
     assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
     cfg = load_config("tiny", [f"data.path={data_dir}", f"train.init_from={tmp_path / 'ckpt'}"])
-    with pytest.raises(GptforgeError, match="differs from the data's"):
+    with pytest.raises(GptforgeError) as refused:
         train(cfg, tmp_path / "run")
+    assert str(refused.value) == (
+        f"{data_dir}: made with tokenizer gpt2 (50,257 tokens), but train.init_from={tmp_path / 'ckpt'} uses "
+        f"tokenizer.json ({tok.vocab_size:,} tokens); prepare the data with --tokenizer {tmp_path / 'ckpt' / 'tokenizer.json'}"
+    )
 
 
 def test_training_pushes_every_checkpoint(tmp_path, data_dir):

@@ -24,7 +24,7 @@ from gptforge.data.fim import FIM, FIMTokenizer, with_fim
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Source, open_mix, parse_mix
 from gptforge.data.shards import fingerprint, read_manifest
-from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer, same_tokenizer
+from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime import dtype_name
@@ -176,11 +176,7 @@ def resolve_config(
         model_cfg = dataclasses.replace(init_cfg.model, **execution)
     elif cfg.train.init_from:
         init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
-        if not same_tokenizer(init_tok, tokenizer):
-            raise GptforgeError(
-                f"train.init_from={cfg.train.init_from}: its tokenizer ({init_tok.name}, {init_tok.vocab_size}) "
-                f"differs from the data's ({tokenizer.name}, {tokenizer.vocab_size}); prepare the data with it"
-            )
+        check_data_tokenizer(tokenizer, ", ".join(data.folders), init_tok, f"train.init_from={cfg.train.init_from}")
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
     template = chat_template(cfg, data.manifests, init_cfg)  # a chat model stays one
     check_fim(cfg, init_cfg, template)
