@@ -105,6 +105,13 @@ def test_binding_another_address_needs_a_key_and_a_busy_port_is_one_line(runs_di
     err = capsys.readouterr().err
     assert err.startswith("gptforge serve: error: --host 0.0.0.0 lets anyone who can reach this machine"), err
     assert "--api-key KEY" in err and err.count("\n") == 1
+    from gptforge.errors import GptforgeError
+    from gptforge.serve.app import check_binding
+
+    with pytest.raises(GptforgeError, match=r"^--allow-host '\*' lets any web page"):  # by DNS rebinding
+        check_binding("127.0.0.1", None, ("myhost.lan", "*"))
+    check_binding("127.0.0.1", "KEY", ("*",))  # with a key, or naming the hosts, it starts
+    check_binding("127.0.0.1", None, ("myhost.lan",))
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         assert main(["serve", str(runs_dir), "--port", str(port)]) == 1

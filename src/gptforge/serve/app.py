@@ -198,12 +198,18 @@ def build_app(
     return app
 
 
-def check_binding(host: str, api_key: str | None) -> None:
-    """Anything but loopback is reachable by others: it needs a key."""
+def check_binding(host: str, api_key: str | None, allow_hosts: tuple[str, ...] = ()) -> None:
+    """Anything but loopback is reachable by others: it needs a key. So is a server that answers any Host: any web
+    page its user opens can reach it by DNS rebinding (a name of the page's own that resolves to this machine)."""
     if not _is_loopback(host) and not api_key:
         raise GptforgeError(
             f"--host {host} lets anyone who can reach this machine run the model and read the runs: "
             "give --api-key KEY too (or keep the default --host 127.0.0.1)"
+        )
+    if "*" in allow_hosts and not api_key:
+        raise GptforgeError(
+            "--allow-host '*' lets any web page its user opens run the model and read the runs (by DNS rebinding): "
+            "give --api-key KEY too, or name the hosts (--allow-host myhost.lan)"
         )
 
 
@@ -240,7 +246,7 @@ def serve(
     root = check_root(path)
     if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it: [::1] was not loopback
         host = host[1:-1]
-    check_binding(host, api_key)
+    check_binding(host, api_key, allow_hosts)
     resolve_device(device, "--device")  # a device this machine lacks is refused now, not a 503 to every request
     hosts = hosts_for(host, allow_hosts)
     if threads:  # beside a training run on the same CPU, more threads than are free make each token far slower
