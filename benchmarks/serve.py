@@ -132,7 +132,7 @@ def decode_steps(args: argparse.Namespace, counts: list[int]) -> None:
             batcher = Batcher(rows, threading.Event())
             for seed in range(rows):
                 job = Job(parse_completion(body | {"seed": seed}, Limits()), lambda event: None, time.monotonic() + 600)
-                batcher.submit(job, run, [run.tokenizer.encode(args.prompt)], Started("m", "m"))
+                batcher.submit(job, run, [run.tokenizer.encode(args.prompt)], Started("m", "m"), end=lambda last: None)
             batcher.step()  # the prefills
             while batcher.generating == rows:
                 t0 = time.perf_counter()

@@ -4,8 +4,11 @@ leave at token boundaries, and a request that leaves frees its row for one that 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +228,13 @@ def test_one_forward_and_one_draw_a_step_take_every_choice_the_rows_and_those_pa
     drain(batcher, greedy, *requests)
     assert draws == [4] * 4 and forwards == [2, 2] * 4
     assert [r.text() for r in requests] == [r.text() for r in alone] and all(r.text() for r in alone)
+
+
+def test_the_decode_step_benchmark_runs_on_the_batcher(runs_dir):
+    """benchmarks/serve.py --decode-step drives the batcher directly (README's batching figures): it must keep up
+    with the batcher's interface."""
+    script = Path(__file__).parents[2] / "benchmarks" / "serve.py"
+    ckpt = runs_dir / "alpha" / "checkpoints" / "step_000004"
+    args = ["--decode-step", "--clients", "1,2", "--max-tokens", "4", "--threads", "1"]
+    done = subprocess.run([sys.executable, script, ckpt, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "2 rows against 1:" in done.stdout, done.stderr[-2000:]
