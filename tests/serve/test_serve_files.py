@@ -119,6 +119,20 @@ def test_links_that_stay_inside_path_still_work(served):
     assert complete(http).json()["system_fingerprint"] == "step_000004"
 
 
+@pytest.mark.parametrize("linked", ["model.safetensors", "step_000004"])
+def test_a_link_in_a_served_checkpoint_led_outside_path_later_is_skipped(served, linked):
+    """The checkpoint's own entries are unchanged: only where its link leads changed, and that must be seen."""
+    step = served / "run" / "checkpoints" / "step_000004"
+    (served / "store").mkdir()
+    link_out(step if linked == "step_000004" else step / linked, served / "store")
+    http = client(served)
+    assert complete(http).json()["system_fingerprint"] == "step_000004"
+    link_out(served / "store" / linked, served.parent / "elsewhere")
+    with pytest.warns(UserWarning, match=OUTSIDE):
+        assert [m["checkpoint"] for m in http.get("/v1/models").json()["data"]] == ["step_000002"]
+        assert complete(http).json()["system_fingerprint"] == "step_000002"
+
+
 @pytest.mark.parametrize("tokenizer", ["absolute", "../../../../elsewhere/tok.json", 5, None])
 def test_a_tokenizer_that_is_not_a_file_of_the_checkpoint_is_never_read(served, tokenizer):
     ckpt = served / "run" / "checkpoints" / "step_000004"  # served alone: nothing to fall back to

@@ -5,6 +5,7 @@ beyond PATH is read: every file and folder is opened only if, its links followed
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ _VERDICTS: dict[tuple[Path, Path], tuple[tuple | None, Verdict]] = {}
 
 def _signature(folder: Path) -> tuple | None:
     """Every entry below `folder` and the folder itself as lstat sees them (kind, size, times, inode): a rewrite,
-    a truncation, a link put in a file's place all change it. None when it cannot be read (never matched)."""
+    a truncation, a link put in a file's place all change it. None (never matched) when it cannot be read, or holds
+    a link: where a link leads, outside PATH even, can change with nothing here changing."""
     try:
         entries, folders = [_stat(os.lstat(folder), str(folder))], [str(folder)]
         while folders:
@@ -116,7 +118,7 @@ def _signature(folder: Path) -> tuple | None:
                         folders.append(entry.path)
     except OSError:
         return None
-    return tuple(sorted(entries))
+    return None if any(stat.S_ISLNK(entry[1]) for entry in entries) else tuple(sorted(entries))
 
 
 def _stat(st: os.stat_result, path: str) -> tuple:
