@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -97,6 +98,45 @@ def test_a_checkpoint_damaged_after_it_was_served_is_skipped_at_the_next_request
     os.truncate(weights, weights.stat().st_size - 100)  # what a full disk leaves
     with pytest.warns(UserWarning, match="step_000004: damaged checkpoint"):
         assert complete(http).json()["system_fingerprint"] == "step_000002"
+
+
+def test_a_checkpoint_failing_its_checksums_is_skipped_and_not_read_again(served, monkeypatch):
+    """As `--resume auto` skips it; it was a 503 to every request, each hashing its weights again first."""
+    import gptforge.serve.engine as engine
+
+    loads = []
+    load = engine.load_for_inference
+    monkeypatch.setattr(engine, "load_for_inference", lambda ckpt, *a: (loads.append(ckpt.name), load(ckpt, *a))[1])
+    weights = served / "run" / "checkpoints" / "step_000004" / "model.safetensors"
+    flip(weights)
+    http = client(served)
+    with pytest.warns(UserWarning, match=r"step_000004: damaged checkpoint \(.*sha256"):
+        assert complete(http).json()["system_fingerprint"] == "step_000002"
+    assert complete(http).json()["system_fingerprint"] == "step_000002"
+    assert [m["checkpoint"] for m in http.get("/v1/models").json()["data"]] == ["step_000002"]
+    assert loads == ["step_000004", "step_000002"]
+
+
+def test_a_checkpoint_through_a_link_failing_its_checksums_is_skipped(served):
+    """A checkpoint holding a link is checked at every request (its verdict is not kept): its failed load must
+    still leave it behind, not be tried again for ever."""
+
+    (served / "store").mkdir()
+    link_out(served / "run" / "checkpoints" / "step_000004", served / "store")
+    flip(served / "store" / "step_000004" / "model.safetensors")
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(complete(client(served))), daemon=True)
+    with pytest.warns(UserWarning, match="step_000004: damaged checkpoint"):
+        asking.start()
+        asking.join(60)
+    assert answers and answers[0].json()["system_fingerprint"] == "step_000002"
+
+
+def flip(weights):
+    """Ten bytes inside a tensor turned over: the size and the header unchanged, the sha256 not."""
+    data = bytearray(weights.read_bytes())
+    data[-50:-40] = bytes(b ^ 0xFF for b in data[-50:-40])
+    weights.write_bytes(bytes(data))
 
 
 def test_a_checkpoints_folder_linked_outside_path_serves_no_model(served):

@@ -18,7 +18,7 @@ from gptforge.errors import GptforgeError
 from gptforge.serve.batcher import Batcher
 from gptforge.serve.jobs import Event, Failed, Job, Started
 from gptforge.serve.protocol import ApiError, CompletionRequest, Limits
-from gptforge.serve.runs import FolderGone, find_sources
+from gptforge.serve.runs import FolderGone, Source, find_sources
 
 KEEP_MODELS = 2  # loaded checkpoints kept, newest use first (a page switching between two runs reloads nothing)
 
@@ -144,14 +144,27 @@ class Engine:
             )
         loaded = self._loaded.get(name)
         if loaded is None or loaded[0] != newest:
-            ckpt = source.intact_checkpoint()  # skips a damaged newest one, with a warning
-            if loaded is None or loaded[0] != ckpt:
-                loaded = (ckpt, load_for_inference(ckpt, self.device, self.dtype))
+            loaded = self._load(source, loaded)
         self._loaded[name] = loaded
         self._loaded.move_to_end(name)
         while len(self._loaded) > KEEP_MODELS:
             self._loaded.popitem(last=False)
         return name, *loaded
+
+    def _load(self, source: Source, loaded: tuple[Path, Inference] | None) -> tuple[Path, Inference]:
+        """The newest checkpoint that loads (`loaded`, if that one): a damaged one is skipped with a warning, as
+        `--resume auto` skips it, one whose files fail their checksums too (re-hashing it at every request held
+        every request up)."""
+        failed: dict[Path, str] = {}
+        while True:
+            ckpt = source.intact_checkpoint(failed)  # with none left, one line naming each one's damage
+            if loaded is not None and loaded[0] == ckpt:
+                return loaded
+            try:
+                return ckpt, load_for_inference(ckpt, self.device, self.dtype)
+            except GptforgeError as e:
+                failed[ckpt] = str(e)
+                source.damaged(ckpt, str(e))
 
     def models(self) -> list[dict[str, Any]]:
         """The OpenAI model objects: every run with a checkpoint, and which checkpoint a request would get."""

@@ -63,16 +63,22 @@ class Source:
         intact = next((ckpt for ckpt in self.checkpoints() if self._verdict(ckpt).problem is None), None)
         return intact or next(self.checkpoints(), None)
 
-    def intact_checkpoint(self) -> Path:
-        """The newest checkpoint that can be loaded: a damaged newer one is skipped with a warning."""
+    def intact_checkpoint(self, failed: dict[Path, str] | None = None) -> Path:
+        """The newest checkpoint that can be loaded: a damaged newer one (or one in `failed`, whose load found
+        damage) is skipped with a warning."""
         problems = []
         for ckpt in self.checkpoints():
-            problem = self._verdict(ckpt).problem
+            problem = (failed or {}).get(ckpt) or self._verdict(ckpt).problem
             if problem is None:
                 return ckpt
             warnings.warn(f"{ckpt}: damaged checkpoint ({problem}); falling back to the previous one", stacklevel=2)
             problems.append(f"{ckpt.name}: {problem}")
         raise GptforgeError(f"the model '{self.name}' has no intact checkpoint ({'; '.join(problems) or 'none'})")
+
+    def damaged(self, ckpt: Path, problem: str) -> None:
+        """A load found damage the checks do not look for (a file no longer matching its checksum): the checkpoint
+        is skipped like any damaged one, without being read again, until its files change."""
+        _VERDICTS[(self.root, ckpt)] = (_signature(ckpt), Verdict(True, problem))
 
     def _verdict(self, ckpt: Path) -> Verdict:
         """The checks below, made again only when the folder's entries change: every request looks its model up,
