@@ -120,6 +120,14 @@ def git(*args, cwd=None):
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=120).stdout
 
 
+def test_a_push_remote_that_looks_like_an_option_is_taken_as_a_remote(tmp_path):
+    from gptforge.hub.git import push_folder
+
+    (tmp_path / "f").mkdir()
+    with pytest.raises(GptforgeError, match="git clone failed: fatal: repository '--upload-pack=touch x' does not"):
+        push_folder(tmp_path / "f", "--upload-pack=touch x", "main", "m")
+
+
 def test_export_push_commits_one_branch_per_run(tmp_path):
     remote = tmp_path / "models.git"
     git("init", "--quiet", "--bare", str(remote))

@@ -36,7 +36,7 @@ def push_folder(folder: str | Path, remote: str, branch: str, message: str) -> s
         raise GptforgeError("--push needs git on PATH")
     with tempfile.TemporaryDirectory(prefix="gptforge-push-") as tmp:
         repo = Path(tmp) / "repo"
-        _git("clone", "--quiet", remote, str(repo))
+        _git("clone", "--quiet", "--", remote, str(repo))  # a remote beginning with '-' is a name, never an option
         if _git("ls-remote", "--heads", "origin", branch, cwd=repo).strip():
             _git("checkout", "--quiet", "-B", branch, f"origin/{branch}", cwd=repo)
         else:
