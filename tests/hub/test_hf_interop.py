@@ -208,7 +208,8 @@ def test_init_from_with_another_tokenizer_is_refused(tmp_path, data_dir):
         train(cfg, tmp_path / "run")
     assert str(refused.value) == (
         f"{data_dir}: made with tokenizer gpt2 (50,257 tokens), but train.init_from={tmp_path / 'ckpt'} uses "
-        f"tokenizer.json ({tok.vocab_size:,} tokens); prepare the data with --tokenizer {tmp_path / 'ckpt' / 'tokenizer.json'}"
+        f"tokenizer.json ({tok.vocab_size:,} tokens); "
+        f"prepare the data with --tokenizer {tmp_path / 'ckpt' / 'tokenizer.json'}"
     )
 
 
