@@ -70,6 +70,7 @@ def test_the_ids_decode_to_the_jinja_template_s_text(tok):
         ("hi", "messages"),
         ([{"role": "user", "content": "a"}, "b"], "messages[1]"),
         ([{"role": "tool", "content": "a"}], "messages[0].role"),
+        ([{"role": ["developer"], "content": "a"}], "messages[0].role"),
         ([{"role": "user", "content": None}], "messages[0].content"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
         ([{"role": "user", "content": "a\ud800"}], "messages[0].content"),
@@ -79,6 +80,12 @@ def test_a_bad_message_names_its_field(messages, param):
     with pytest.raises(ConversationError) as e:
         parse_messages(messages)
     assert e.value.param == param and str(e.value).startswith(param)
+
+
+def test_a_developer_message_is_a_system_message():
+    """OpenAI's SDK sends the instructions as 'developer' for its newer models."""
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "a"}]
+    assert parse_messages(turns) == [Message("system", "Be brief."), Message("user", "a")]
 
 
 def test_rows_in_openai_or_alpaca_form_and_rows_without_a_reply():

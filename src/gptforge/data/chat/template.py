@@ -21,6 +21,7 @@ from gptforge.errors import GptforgeError
 
 CHAT_TEXTS = ("<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
+SAME_AS = {"developer": "system"}  # OpenAI's newer name for the instructions (its SDK sends it for newer models)
 TEMPLATE_NAME = "chatml"
 # The Jinja form of `format_chat`, as Hugging Face's `apply_chat_template` and llama.cpp read it.
 CHAT_TEMPLATE = (
@@ -96,6 +97,7 @@ def parse_messages(messages: object, where: str = "messages") -> list[Message]:
         if not isinstance(message, dict):
             raise ConversationError(f"{field}: expected an object with 'role' and 'content'", field)
         role, content = message.get("role"), _joined(message.get("content"))
+        role = SAME_AS.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise ConversationError(f"{field}.role: {role!r} is not one of {', '.join(ROLES)}", f"{field}.role")
         if not isinstance(content, str):
