@@ -19,11 +19,10 @@ from gptforge.files import (
     check_output_dir,
     check_output_file,
     locked,
-    open_text,
-    read_jsonl,
     swap_dir,
     temp_dir_for,
 )
+from gptforge.inputs import open_text, read_jsonl
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp_file(tmp_path):

@@ -10,7 +10,7 @@ ROOT = Path(gptforge.__file__).parent
 # Lowest first: a module may import from a lower layer, or from its own package, never from a higher layer.
 LAYERS = [
     {"errors"},
-    {"files"},
+    {"files", "inputs"},
     {"runtime"},
     {"model", "data"},
     {"config"},

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
-from gptforge.files import METRICS, read_jsonl
+from gptforge.files import METRICS
+from gptforge.inputs import read_jsonl
 
 CONFIG = "config.toml"
 SAMPLES = "samples.jsonl"

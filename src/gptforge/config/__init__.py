@@ -32,7 +32,7 @@ from gptforge.config.sections import (
     TrainConfig,
 )
 from gptforge.errors import GptforgeError
-from gptforge.files import read_text
+from gptforge.inputs import read_text
 from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
 from gptforge.model.lora import LoRASpec
 

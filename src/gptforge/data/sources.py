@@ -18,7 +18,7 @@ from pathlib import Path
 from gptforge.data.languages import CONTAINERS, DEFAULT_EXTENSIONS, decode, is_binary, selects
 from gptforge.data.shards import MANIFEST, PROGRESS
 from gptforge.errors import GptforgeError
-from gptforge.files import format_suffix, read_jsonl, read_text, reading
+from gptforge.inputs import format_suffix, read_jsonl, read_text, reading
 
 # Files that mark a folder written by `datasets`' save_to_disk (a Dataset's, a DatasetDict's).
 SAVED_DATASET = ("state.json", "dataset_dict.json", "dataset_info.json")

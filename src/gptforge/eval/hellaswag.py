@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gptforge.data.sources import open_hf_dataset
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import read_jsonl
+from gptforge.inputs import read_jsonl
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum

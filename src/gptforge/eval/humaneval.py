@@ -20,7 +20,7 @@ import torch
 
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import read_jsonl
+from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast

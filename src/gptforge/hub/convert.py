@@ -24,7 +24,7 @@ from gptforge.data.chat.template import CHAT_TEMPLATE, CHAT_TEXTS, ChatTokenizer
 from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import building_dir, read_text, usual_mode, write_json
+from gptforge.files import building_dir, usual_mode, write_json
 from gptforge.hub import modern
 from gptforge.hub.foreign import (
     FLOAT_DTYPES,
@@ -35,6 +35,7 @@ from gptforge.hub.foreign import (
     read_weights,
     shown,
 )
+from gptforge.inputs import read_text
 from gptforge.model.gpt import GPT, GPTConfig
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")  # GPT-2's h.N., Llama's model.layers.N.

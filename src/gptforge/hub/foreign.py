@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from gptforge.config import RULES
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import read_text
+from gptforge.inputs import read_text
 from gptforge.model.gpt import GPTConfig
 from gptforge.runtime.device import DTYPES
 

@@ -14,7 +14,7 @@ from starlette.staticfiles import StaticFiles
 from gptforge.checkpoint import META, read_meta, step_of
 from gptforge.config import config_from_dict, to_toml
 from gptforge.errors import GptforgeError
-from gptforge.files import read_jsonl, read_text
+from gptforge.inputs import read_jsonl, read_text
 from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics, val_sources
 from gptforge.serve.api import error_response
 from gptforge.serve.protocol import ApiError

@@ -39,7 +39,8 @@ from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_man
 from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, building_dir, check_output_dir, locked, open_text, reading
+from gptforge.files import atomic_write, building_dir, check_output_dir, locked
+from gptforge.inputs import open_text, reading
 
 SHOWN_BAD_ROWS = 20
 
