@@ -1,0 +1,65 @@
+"""Reading the user's files: UTF-8 text, gunzipped on the fly, and JSONL records with the 'file:line' that
+messages name; each way a read can fail is one GptforgeError naming the file."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from gptforge.errors import GptforgeError
+
+
+def open_text(path: str | Path) -> TextIO:
+    """A UTF-8 text file, gunzipped on the fly when it ends in .gz; a leading byte order mark is dropped."""
+    path = Path(path)
+    return gzip.open(path, "rt", encoding="utf-8-sig") if path.suffix == ".gz" else open(path, encoding="utf-8-sig")
+
+
+def format_suffix(path: str | Path) -> str:
+    """The format suffix, looking through .gz: 'a.jsonl.gz' -> '.jsonl'."""
+    path = Path(path)
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+
+
+@contextlib.contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Turn each way a text file can fail to read into one GptforgeError that names it."""
+    try:
+        yield
+    except UnicodeDecodeError:
+        raise GptforgeError(f"{path}: expected UTF-8 text") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error):
+        raise GptforgeError(f"{path}: corrupt or truncated gzip file") from None
+    except OSError as e:
+        raise GptforgeError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_text(path: str | Path) -> str:
+    with reading(path), open_text(path) as f:
+        return f.read()
+
+
+def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages.
+
+    `torn_tail_ok` skips a last line that is not JSON and has no newline: what a crash mid-append leaves.
+    """
+    with reading(path), open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if torn_tail_ok and not line.endswith("\n"):
+                    return
+                raise GptforgeError(f"{where}: not JSON ({e})") from None
+            except RecursionError:
+                raise GptforgeError(f"{where}: JSON nested too deeply to read") from None
+            yield where, record
