@@ -86,7 +86,7 @@ def test_a_requests_output_does_not_depend_on_the_rest_of_the_batch(run):
     assert alone[0].text() == together[0].text() == expected and len(expected) > 20
     assert [sampled_alone[0].text(i) for i in (0, 1)] == [together[1].text(i) for i in (0, 1)]
     assert together[1].text(0) != together[1].text(1)  # each choice its own random stream
-    assert all(isinstance(r.task.result, Done) for r in (*mixed, *together)) and batcher.generating == 0
+    assert all(isinstance(r.ends[0], Done) for r in (*mixed, *together)) and batcher.generating == 0
 
 
 def test_choices_beyond_the_capacity_wait_and_a_request_that_leaves_frees_its_rows(run):
@@ -98,11 +98,11 @@ def test_choices_beyond_the_capacity_wait_and_a_request_that_leaves_frees_its_ro
     assert batcher.generating == 2 and second.events == []  # it waits: both rows are the first request's
     first.job.cancel.set()  # its client went away
     batcher.step()
-    assert first.task.ended.is_set() and first.task.result is None
+    assert first.task.ended.is_set() and first.ends[0] is None
     drain(batcher, second)
-    assert isinstance(second.task.result, Done) and second.events[0] == Started("step_000004", "alpha")
-    assert second.task.result.usage["completion_tokens"] <= 3 and batcher.generating == 0
-    assert first.ends == [None] and second.ends == [second.task.result]  # each end told once, as it ended
+    assert isinstance(second.ends[0], Done) and second.events[0] == Started("step_000004", "alpha")
+    assert second.ends[0].usage["completion_tokens"] <= 3 and batcher.generating == 0
+    assert first.ends == [None] and len(second.ends) == 1  # each end told once, as it ended
 
 
 def test_a_request_past_its_time_ends_as_length_and_one_never_let_in_is_429(run):
@@ -112,8 +112,8 @@ def test_a_request_past_its_time_ends_as_length_and_one_never_let_in_is_429(run)
     late = Request(batcher, run, prompt="x", max_tokens=5)
     late.job.deadline = busy.job.deadline = time.monotonic()
     batcher.step()
-    assert late.task.result.error.status == 429 and late.events == [] and late.ends == [late.task.result]
-    assert isinstance(busy.task.result, Done) and [busy.text(i).startswith("def") for i in range(3)] == [True] * 3
+    assert late.ends[0].error.status == 429 and late.events == [] and len(late.ends) == 1
+    assert isinstance(busy.ends[0], Done) and [busy.text(i).startswith("def") for i in range(3)] == [True] * 3
     assert {e for e in busy.events if isinstance(e, Finish)} == {Finish(i, "length") for i in range(3)}
     assert busy.text(2) == "def"  # never generated: its echo alone
 
@@ -124,7 +124,7 @@ def test_at_shutdown_a_request_not_yet_begun_is_503_even_with_a_row_free(run):
     waiting = Request(batcher, run, prompt="def", max_tokens=5)
     stopping.set()
     batcher.step()
-    assert waiting.task.result.error.status == 503 and waiting.events == []
+    assert waiting.ends[0].error.status == 503 and waiting.events == []
 
 
 def test_a_failure_while_generating_fails_those_requests_and_the_next_are_served(run, monkeypatch, capsys):
@@ -138,11 +138,11 @@ def test_a_failure_while_generating_fails_those_requests_and_the_next_are_served
         patched.setattr(batcher_module, "forward_logits", broken)
         failed = Request(batcher, run, prompt="def", max_tokens=5, n=2)
         batcher.step()
-    assert failed.task.ended.is_set() and failed.task.result.error.status == 500 and failed.ends == [failed.task.result]
+    assert failed.task.ended.is_set() and failed.ends[0].error.status == 500 and len(failed.ends) == 1
     assert "a bug in a forward pass" in capsys.readouterr().err  # the traceback goes to the server's log
     served = Request(batcher, run, prompt="def", max_tokens=5, temperature=0)
     drain(batcher, served)
-    assert isinstance(served.task.result, Done) and served.text()
+    assert isinstance(served.ends[0], Done) and served.text()
 
 
 def test_an_infill_ends_where_the_context_does_and_a_completion_goes_on(run):
@@ -152,8 +152,8 @@ def test_an_infill_ends_where_the_context_does_and_a_completion_goes_on(run):
     plain = Request(batcher, fim, prompt="def f(x):\n", max_tokens=100, temperature=0)
     drain(batcher, infill, plain)
     room = run.model.config.block_size - len(infill_prompt(fim.tokenizer, "def f(x):\n", "\n    return y\n")) + 1
-    assert infill.task.result.usage["completion_tokens"] == room and infill.events[-1] == Finish(0, "length")
-    assert plain.task.result.usage["completion_tokens"] == 100  # past the context: its window slides
+    assert infill.ends[0].usage["completion_tokens"] == room and infill.events[-1] == Finish(0, "length")
+    assert plain.ends[0].usage["completion_tokens"] == 100  # past the context: its window slides
 
 
 def forcing(monkeypatch, token: int) -> None:
@@ -186,7 +186,7 @@ def test_a_generation_ends_at_every_token_the_engine_stops_on_eot_and_each_fim_s
             drain(batcher, infill, plain)
         for request in (infill, plain):
             assert request.events[-1] == Finish(0, "stop"), name
-            assert request.task.result.usage["completion_tokens"] == 0 and request.text() == "", name
+            assert request.ends[0].usage["completion_tokens"] == 0 and request.text() == "", name
 
 
 def test_choices_and_requests_each_draw_their_own_stream_and_a_seed_repeats_its_request(run):

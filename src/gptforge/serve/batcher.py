@@ -36,7 +36,7 @@ class Prefill:
 
 @dataclass
 class Task:
-    """One request in the batcher: its choices still to end, and how it ended (read once `ended` is set)."""
+    """One request in the batcher: its choices still to end; `end` is told how it ended."""
 
     job: Job
     run: Inference
@@ -47,7 +47,6 @@ class Task:
     ends: set[int]
     began: bool = False
     completion_tokens: int = 0
-    result: Event | None = None  # Done or Failed; None when its client went away
     ended: threading.Event = field(default_factory=threading.Event)
     prefills: dict[int, Prefill] = field(default_factory=dict)
 
@@ -312,7 +311,6 @@ class Batcher:
         with self._cond:
             self._waiting = deque(c for c in self._waiting if c.task is not task)
         task.prefills.clear()
-        task.result = result
         task.ended.set()
         task.end(result)
 
