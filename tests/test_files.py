@@ -267,3 +267,32 @@ def test_reading_accepts_a_byte_order_mark_and_names_deep_json_and_special_files
         with pytest.raises(GptforgeError, match="--decontaminate .*: not a regular file"):
             require_regular_file(path, "--decontaminate")
     assert require_regular_file(bom, "--decontaminate") == bom
+
+
+@pytest.mark.parametrize("reader", ["prepare", "decontaminate", "quality-labels", "hellaswag"])
+def test_a_json_integer_past_pythons_digits_is_one_line_naming_file_and_line(tmp_path, capsys, reader):
+    """Each JSONL reader turned Python's 'Exceeds the limit (4300 digits)' into a traceback."""
+    from gptforge.cli import main
+
+    big = tmp_path / "big.jsonl"
+    big.write_text('\n{"text": "x", "score": ' + "9" * 5000 + "}\n")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def f():\n    return 1\n" * 20)
+    out = tmp_path / "out"
+    args = {
+        "prepare": ["prepare", str(big), "--out", str(out)],
+        "decontaminate": ["prepare", str(corpus), "--out", str(out), "--decontaminate", str(big)],
+        "quality-labels": ["prepare", str(corpus), "--out", str(out), "--quality-labels", str(big)],
+        "hellaswag": ["eval", str(tmp_path / "nothing"), "--hellaswag", str(big)],
+    }[reader]
+    if reader == "hellaswag":
+        from gptforge.eval.hellaswag import read_examples
+
+        with pytest.raises(GptforgeError, match=rf"^{big}:2: not JSON: an integer of more than 4,300 digits$"):
+            read_examples(str(big))
+        return
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{big}:2: not JSON: an integer of more than 4,300 digits" in err and err.count("\n") == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".*"))

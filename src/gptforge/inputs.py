@@ -44,6 +44,21 @@ def read_text(path: str | Path) -> str:
         return f.read()
 
 
+def parse_json(text: str | bytes) -> Any:
+    """json.loads, each way it fails a ValueError whose message is the reason in our words (Python's own wording
+    for an integer past 4,300 digits names sys.set_int_max_str_digits)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    except UnicodeDecodeError:
+        raise ValueError("not JSON: not UTF-8 text") from None
+    except ValueError:
+        raise ValueError("not JSON: an integer of more than 4,300 digits") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+
+
 def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[str, Any]]:
     """(where, record) for each non-blank line of a jsonl[.gz] file; `where` is 'file:line' for messages.
 
@@ -55,11 +70,9 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
+                record = parse_json(line)
+            except ValueError as e:
                 if torn_tail_ok and not line.endswith("\n"):
                     return
-                raise GptforgeError(f"{where}: not JSON ({e})") from None
-            except RecursionError:
-                raise GptforgeError(f"{where}: JSON nested too deeply to read") from None
+                raise GptforgeError(f"{where}: {e}") from None
             yield where, record

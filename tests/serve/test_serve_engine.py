@@ -100,6 +100,22 @@ def test_serve_path_is_a_run_a_checkpoint_or_a_folder_of_runs_and_nothing_outsid
         assert list(find_sources(check_root(tmp_path))) == ["inside"]  # the link leads beyond PATH
 
 
+@pytest.mark.parametrize("key", ["", "   ", " KEY", "KEY\n", "clé"])
+def test_an_empty_or_unsendable_api_key_is_refused_in_one_line(runs_dir, capsys, monkeypatch, key):
+    """An empty key served everyone without a word; spaces at either end or a non-ASCII character started a server
+    that no client could authenticate to."""
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", str(runs_dir), "--api-key", key])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("gptforge serve: error: argument --api-key: "), err
+    assert err.count("\n") == 1
+    monkeypatch.setenv("GPTFORGE_API_KEY", key)  # the same key from the environment
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", str(runs_dir)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "GPTFORGE_API_KEY" in err and err.count("\n") == 1, err
+
+
 def test_binding_another_address_needs_a_key_and_a_busy_port_is_one_line(runs_dir, capsys):
     assert main(["serve", str(runs_dir), "--host", "0.0.0.0"]) == 1
     err = capsys.readouterr().err

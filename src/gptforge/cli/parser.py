@@ -8,6 +8,7 @@ import os
 from gptforge import __version__, commands
 from gptforge.cli.types import (
     Parser,
+    api_key,
     at_least,
     cors_origin,
     file_name,
@@ -307,6 +308,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--port", type=at_least(0), default=8000, help="TCP port (default 8000; 0 = any free port)")
     s.add_argument(
         "--api-key",
+        type=api_key,
         default=os.environ.get("GPTFORGE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1, /api and /infill (default: $GPTFORGE_API_KEY, unseen by ps)",
     )

@@ -54,6 +54,22 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return ks
 
 
+def api_key(text: str) -> str:
+    """--api-key (or $GPTFORGE_API_KEY): an empty key would serve without authentication, one with spaces at either
+    end or a character an HTTP header cannot carry would start a server no client can use."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"got {text!r} (or $GPTFORGE_API_KEY holds it): an empty key would serve everyone; give a key, or leave "
+            "out --api-key and unset GPTFORGE_API_KEY"
+        )
+    if text != text.strip() or not all(" " <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError(
+            "expected printable ASCII without spaces at either end (what an Authorization header carries), got "
+            f"{text!r} (or $GPTFORGE_API_KEY holds it)"
+        )
+    return text
+
+
 def host_allowed(text: str) -> str:
     """--allow-host: a name a Host header can carry (the server reads it again as it starts)."""
     try:

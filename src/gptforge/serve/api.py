@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from gptforge.files import to_json
+from gptforge.inputs import parse_json
 from gptforge.serve.engine import Engine
 from gptforge.serve.jobs import Done, Event, Failed, Finish, Job, Started, Text
 from gptforge.serve.mailbox import mailbox
@@ -127,11 +128,9 @@ async def _json_body(request: Request, limits: Limits):
     except ClientDisconnect:
         raise ApiError(499, "the client went away", None, "client_disconnected") from None
     try:
-        return json.loads(body)
-    except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python converts (4,300)
-        raise ApiError(400, f"the request body is not JSON ({e})") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply to read") from None
+        return parse_json(bytes(body))
+    except ValueError as e:
+        raise ApiError(400, f"the request body: {e}") from None
 
 
 async def _read(request: Request, limit: int) -> bytearray:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import re
 import shutil
 from collections import Counter
@@ -40,7 +39,7 @@ from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, check_output_dir, locked
-from gptforge.inputs import open_text, reading
+from gptforge.inputs import open_text, parse_json, reading
 
 SHOWN_BAD_ROWS = 20
 
@@ -117,8 +116,8 @@ def chat_form(source: str) -> str | None:
     with reading(files[0]), open_text(files[0]) as f:
         first = next((line for line in f if line.strip()), "")
     try:
-        row = json.loads(first)
-    except (ValueError, RecursionError):  # not JSON, past Python's digits or nesting: not conversations
+        row = parse_json(first)
+    except ValueError:  # not conversations
         return None
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
         return "OpenAI messages"
@@ -137,16 +136,13 @@ def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[
                 counts.rows += 1
                 where = f"{path}:{lineno}"
                 try:
-                    row = json.loads(line)
+                    row = parse_json(line)
                     messages = conversation_from_row(row)
                     split = row.get("split")  # a dict: conversation_from_row refused anything else
                     if split is not None and split not in SPLITS:
                         raise ConversationError(f"split {split!r} is not one of {', '.join(SPLITS)}", "split")
-                except ValueError:  # JSONDecodeError, or an integer past Python's 4,300 digits
-                    _bad(counts, where, "not JSON", "not JSON")
-                    continue
-                except RecursionError:
-                    _bad(counts, where, "JSON nested too deeply to read", "not JSON")
+                except ValueError as e:
+                    _bad(counts, where, str(e), "not JSON")
                     continue
                 except ConversationError as e:
                     _bad(counts, where, str(e), e.param)
