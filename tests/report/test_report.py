@@ -128,3 +128,17 @@ def test_a_run_whose_mfu_was_never_trustworthy_reports_it_as_not_available(tmp_p
     assert "| mean MFU | n/a (no step had a trustworthy peak to compare with) |" in run_report(run)
     write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8}, {**TRAIN, "step": 2, "loss": 2.0, "tokens": 16})
     assert "| mean MFU | 10.0% |" in run_report(run)
+
+
+def test_a_run_without_bits_per_byte_reports_them_as_not_available(tmp_path, capsys):
+    """A run on a manifest-less llm.c folder, or a chat folder whose held-out replies are empty, logs bpb as null
+    (NaN): the report's formatting raised a TypeError."""
+    run = tmp_path / "run"
+    write_metrics(
+        run,
+        {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8},
+        {"kind": "val", "step": 1, "loss": 2.5, "ppl": 12.18, "bpb": None},
+    )
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| best val bits/byte | n/a |" in out and "| best val perplexity | 12.18 |" in out

@@ -35,8 +35,8 @@ def run_report(run_dir: str | Path) -> str:
         best = min(val, key=lambda r: r["loss"])
         lines += [
             f"| best val loss | {best['loss']:.4f} (step {best['step']:,}) |",
-            f"| best val perplexity | {best['ppl']:.2f} |",
-            f"| best val bits/byte | {best['bpb']:.4f} |",
+            f"| best val perplexity | {_number(best, 'ppl', digits=2)} |",
+            f"| best val bits/byte | {_number(best, 'bpb')} |",
             f"| final val loss | {val[-1]['loss']:.4f} (step {val[-1]['step']:,}) |",
         ]
         lines += [  # a run on a mix: each folder's final numbers (its val loss above is their weighted mean)
@@ -69,9 +69,11 @@ def run_report(run_dir: str | Path) -> str:
     return text
 
 
-def _number(record: dict, key: str) -> str:
+def _number(record: dict, key: str, digits: int = 4) -> str:
+    """A finite number, or n/a: bits per byte is null where the data folder does not say its bytes (an llm.c
+    folder without a manifest, held-out replies that are empty)."""
     value = record.get(key)
-    return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
 
 
 def _share(record: dict, key: str) -> str:
