@@ -142,6 +142,16 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     assert main([*args, "--force"]) == 1
     assert capsys.readouterr().err.startswith(f"gptforge demo: error: --base {tmp_path / 'notes'}: not a gptforge run")
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+    # the base decides the architecture, as train says (the demo trained the base's shape without a word)
+    for where, layers in ((base_checkpoint, cfg.model.n_layer), (tmp_path / "new-base", 4)):  # 4: modern-cpu's
+        args[args.index("--base") + 1] = str(where)
+        assert main([*args, "--force", "--set", f"model.n_layer={layers + 1}"]) == 1
+        err = capsys.readouterr().err
+        assert (
+            f"--set model.n_layer={layers + 1}: --base {where} decides the architecture and its n_layer is "
+            f"{layers}" in err
+        ), err
+    assert not (tmp_path / "new-base").exists() and load_checkpoint(out)[3]["step"] == 1  # nothing trained
 
 
 def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_another_tokenizer(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from gptforge.checkpoint import META, latest_checkpoint, load_checkpoint, resolve_checkpoint
-from gptforge.config import load_config
+from gptforge.checkpoint import META, latest_checkpoint, load_checkpoint, read_meta, resolve_checkpoint
+from gptforge.config import config_from_dict, load_config
 from gptforge.data.chat.instructions import conversation_rows
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.chat.template import Message, format_chat
@@ -24,6 +24,7 @@ from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked, replacing_dir, to_json, write_json
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
+from gptforge.train.setup import check_model_overrides, model_overrides
 from gptforge.train.trainer import train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
@@ -123,6 +124,7 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     base_dir, data_dir, out_dir = Path(base), Path(data), Path(out)
     chat_data = data_dir.with_name(f"{data_dir.name}-chat")
     check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir], is_run=True)
+    _check_base_shape(base_dir, overrides)
     base_checkpoint = _base_checkpoint(base_dir, data_dir)
     if not (data_dir / TOKENIZER_FILE).is_file():
         raise GptforgeError(
@@ -152,6 +154,18 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     print(f"replies' validation loss: {result.first_val['loss']:.4f} before, {result.last_val['loss']:.4f} after")
     print(f"wrote {checkpoint}; talk with it: gptforge chat {shlex.quote(str(out_dir))}")
     return summary
+
+
+def _check_base_shape(base_dir: Path, overrides: list[str]) -> None:
+    """`--set model.KEY` that the base's architecture would replace is refused as `train` refuses it, before a base
+    is trained: the base the demo would train first has the demo's preset's shape."""
+    if not model_overrides(overrides):
+        return
+    try:
+        saved = config_from_dict(read_meta(resolve_checkpoint(base_dir))["config"]).model
+    except GptforgeError:  # no base yet
+        saved = load_config(PRESET).model
+    check_model_overrides(load_config(CHAT_PRESET, overrides).model, saved, overrides, f"--base {base_dir}")
 
 
 def _base_checkpoint(base_dir: Path, data_dir: Path) -> Path:

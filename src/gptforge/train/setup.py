@@ -117,17 +117,25 @@ RUN_OWN_MODEL_KEYS = ("fused_loss", "activation_checkpointing", "dropout")
 
 def check_init_overrides(cfg: Config, overrides: list[str]) -> None:
     """Refuse `--set model.KEY=VALUE` that train.init_from's architecture would replace without a word."""
+    if cfg.train.init_from and model_overrides(overrides):
+        saved = config_from_dict(read_meta(resolve_checkpoint(cfg.train.init_from))["config"]).model
+        check_model_overrides(cfg.model, saved, overrides, f"train.init_from={cfg.train.init_from}")
+
+
+def model_overrides(overrides: list[str]) -> list[str]:
+    """The model keys `--set` names that a fine-tuning run cannot change: its base's architecture decides them."""
     keys = {item.partition("=")[0].strip().removeprefix("model.") for item in overrides if item.startswith("model.")}
-    asked = sorted(keys - {*RUN_OWN_MODEL_KEYS, "vocab_size"})
-    if not cfg.train.init_from or not asked:
-        return
-    saved = config_from_dict(read_meta(resolve_checkpoint(cfg.train.init_from))["config"]).model
-    for key in asked:
-        ours, theirs = getattr(cfg.model, key), getattr(saved, key)
+    return sorted(keys - {*RUN_OWN_MODEL_KEYS, "vocab_size"})
+
+
+def check_model_overrides(model: GPTConfig, saved: GPTConfig, overrides: list[str], base: str) -> None:
+    """Refuse each `--set model.KEY` whose value differs from the base's `saved` architecture."""
+    for key in model_overrides(overrides):
+        ours, theirs = getattr(model, key), getattr(saved, key)
         if ours != theirs:
             raise GptforgeError(
-                f"--set model.{key}={ours}: train.init_from={cfg.train.init_from} decides the architecture and its "
-                f"{key} is {theirs} (a run sets only model.{', model.'.join(RUN_OWN_MODEL_KEYS)} of its own)"
+                f"--set model.{key}={ours}: {base} decides the architecture and its {key} is {theirs} (a run "
+                f"sets only model.{', model.'.join(RUN_OWN_MODEL_KEYS)} of its own)"
             )
 
 
