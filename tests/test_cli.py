@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +306,41 @@ def test_a_warning_naming_a_path_with_a_newline_stays_one_line(monkeypatch, caps
     monkeypatch.setattr(gptforge.report.summary, "run_report", warns)
     assert main(["report", "runs/x"]) == 0
     assert capsys.readouterr().err == "gptforge report: warning: runs/a\\nb\\x1b[2J: leads outside the served folder\n"
+
+
+def test_out_dot_writes_into_the_current_folder_as_into_any_empty_one(tmp_path, data_dir, monkeypatch, capsys):
+    """export (hf and peft), import and prepare of conversations raised "PosixPath('.') has an empty name" and left
+    a .lock behind; train and text prepare wrote there. Every command now does."""
+    run, lora = tmp_path / "run", tmp_path / "lora"
+    tiny = ["--config", "tiny", "--data", str(data_dir), "--set", "train.max_steps=1"]
+    assert main(["train", *tiny, "--out", str(run)]) == 0
+    adapters = ["--set", f"train.init_from={run}", "--set", "train.lora_rank=2"]
+    assert main(["train", *tiny, "--out", str(lora), *adapters]) == 0
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"{i}"}) + "\n" for i in range(20)))
+    commands = {
+        "hf": (["export", str(run), "--out", "."], "config.json"),
+        "peft": (["export", str(lora), "--format", "peft", "--out", "."], "adapter_config.json"),
+        "import": (["import", str(tmp_path / "hf"), "--out", "."], "meta.json"),
+        "chats": (["prepare", str(chats), "--out", ".", "--val-fraction", "0.2"], "manifest.json"),
+        "text": (["prepare", str(tmp_path / "hf"), "--out", ".", "--ext", "json"], "manifest.json"),
+        "train": (["train", *tiny, "--out", "."], "metrics.jsonl"),
+    }
+    for name, (args, made) in commands.items():
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        assert main(args) == 0, capsys.readouterr().err
+        assert (tmp_path / name / made).is_file(), name
+        if name not in ("text", "train"):  # which reuse an unchanged folder, or resume a run
+            assert main(args) == 1  # a second time it is not empty: refused, as for any folder
+            refusal = "is a gptforge run or checkpoint" if name == "import" else "exists and is not empty"
+            assert f"--out .: {refusal}" in capsys.readouterr().err
+        if name not in ("import", "train"):  # --force replaces its entries; the folder stays the current one
+            assert main([*args, "--force"]) == 0 and (tmp_path / name / made).is_file()
+            assert Path.cwd() == tmp_path / name and (Path(".") / made).is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left beside
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    assert main(["demo", "--chat", "--data", ".", "--base", str(run), "--out", str(tmp_path / "chat")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gptforge demo: error: --data .: no tokenizer.json") and err.count("\n") == 1, err

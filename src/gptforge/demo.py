@@ -21,7 +21,16 @@ from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, check_output_dir, is_empty_dir, locked, replacing_dir, to_json, write_json
+from gptforge.files import (
+    atomic_write,
+    check_output_dir,
+    is_empty_dir,
+    locked,
+    named,
+    replacing_dir,
+    to_json,
+    write_json,
+)
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
 from gptforge.train.setup import check_model_overrides, model_overrides
@@ -122,7 +131,7 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     """Fine-tune the demo's model (`base`, trained first when it has no checkpoint) on conversations built from the
     training split's documented functions; print replies to held-out requests."""
     base_dir, data_dir, out_dir = Path(base), Path(data), Path(out)
-    chat_data = data_dir.with_name(f"{data_dir.name}-chat")
+    chat_data = named(data_dir).with_name(f"{named(data_dir).name}-chat")
     check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir], is_run=True)
     _check_base_shape(base_dir, overrides)
     base_checkpoint = _base_checkpoint(base_dir, data_dir)

@@ -76,9 +76,17 @@ def write_json(path: str | Path, value: Any) -> Path:
     return atomic_write(path, to_json(value, indent=2))
 
 
+def named(path: str | Path) -> Path:
+    """`path`, or for '.' and '..' (no name of their own) the absolute folder they mean: a sibling is named after
+    it. Links are not followed, so a link is replaced as a link."""
+    path = Path(path)
+    return Path(os.path.abspath(path)) if path.name in ("", "..") else path
+
+
 def temp_dir_path(final: Path) -> Path:
     """Where `final`'s replacement is built: a hidden folder beside it, so the rename stays on one filesystem. The
     name is fixed (a killed run, and every rank, finds it) and says gptforge, so no user folder is taken for it."""
+    final = named(final)
     return final.with_name(f".{final.name}.gptforge-tmp")
 
 
@@ -112,7 +120,10 @@ def _refuse_non_folder(final: Path, flag: str = "") -> None:
 def swap_dir(tmp: Path, final: Path) -> Path:
     """Put the complete folder `tmp` at `final`; an old `final` is moved aside first and deleted only after."""
     _refuse_non_folder(final)
-    if final.exists():
+    if final.exists() and _is_current_folder(final):
+        _swap_entries(tmp, final)
+    elif final.exists():
+        final = named(final)
         # A name no one else holds: a fixed one could be a folder of the user's, which would be deleted.
         old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
         final.rename(old)
@@ -121,6 +132,28 @@ def swap_dir(tmp: Path, final: Path) -> Path:
     else:
         tmp.rename(final)
     return final
+
+
+def _is_current_folder(folder: Path) -> bool:
+    try:
+        return folder.resolve() == Path.cwd().resolve()
+    except OSError:  # the current folder is gone
+        return False
+
+
+def _swap_entries(tmp: Path, final: Path) -> None:
+    """Replace the entries of the current folder by `tmp`'s, the folder kept: replaced whole, the shell that
+    named it '.' would be left in a deleted folder. The old entries go aside first, deleted only after."""
+    final = named(final)
+    old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
+    old.mkdir()
+    for entry in final.iterdir():
+        if entry.name != LOCK:  # the lock this command holds stays where it is held
+            entry.rename(old / entry.name)
+    for entry in tmp.iterdir():
+        entry.rename(final / entry.name)
+    tmp.rmdir()
+    shutil.rmtree(old)
 
 
 @contextlib.contextmanager

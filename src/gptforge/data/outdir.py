@@ -126,11 +126,10 @@ def destination(out: Path, settings: PrepareSettings, force: bool) -> Path | Non
     if done is None and progress is None:
         check_output_dir(out, force)  # a folder that is not gptforge data: replaced only with --force
     refuse_other_settings(out, settings, force)
-    final = out.resolve()  # a temp folder beside '.' needs its real name
-    unfinished = read_own(temp_dir_path(final) / PROGRESS)
+    unfinished = read_own(temp_dir_path(out) / PROGRESS)
     if unfinished is not None and settings.matches(unfinished.get("settings")):
-        return temp_dir_path(final)  # a killed --force run resumes
-    return temp_dir_for(final)
+        return temp_dir_path(out)  # a killed --force run resumes
+    return temp_dir_for(out)
 
 
 def refuse_other_settings(out: Path, settings: PrepareSettings, force: bool) -> None:
