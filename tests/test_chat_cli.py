@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import subprocess
 import sys
 
 import pytest
@@ -40,7 +41,7 @@ def test_a_chat_checkpoint_loads_with_its_template_tokens_and_sample_chat_prints
     reply = tok.decode(generate(model, prompt, 8, temperature=0.0, eot=tok.im_end)[0])
     args = ["sample", str(chat_ckpt), "--chat", "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"]
     assert main(args) == 0
-    assert capsys.readouterr().out == f"--- sample 0\n{reply}\n"
+    assert capsys.readouterr().out == f"--- sample 0\nuser> hello\nassistant> {reply}\n"  # the message shown too
 
 
 def test_the_terminal_chat_keeps_the_conversation_and_resets_on_request(chat_ckpt, monkeypatch):
@@ -76,14 +77,22 @@ class SpyFormat:
 
 
 def test_the_oldest_turns_leave_a_full_context_and_an_overlong_message_is_said(chat_ckpt):
-    said, lines = [], iter(["word " * 30, "word " * 200, "short", "/exit"])
+    said, lines = [], iter(["word " * 200, "word " * 30, "short", "/exit"])
     chat_session(
         str(chat_ckpt),
-        ChatSettings(temperature=0.0, max_new_tokens=4),
+        ChatSettings(temperature=0.0, max_new_tokens=256),
         read=lambda prompt: next(lines),
         write=lambda *a, **k: said.append(a[0] if a else ""),
     )
-    assert any("longer than the model's context" in s for s in said)
+    notes = [s for s in said if s.startswith("(that message takes")]
+    # 48 tokens of context: 200 words do not fit at all; 30 words (40 tokens) fit it but not beside the 24 tokens
+    # kept for the reply (it was said to be longer than the context)
+    assert notes[0] == "(that message takes 210 tokens, the model's context 48; say it in fewer words)"
+    assert notes[1] == (
+        "(that message takes 40 tokens and 24 of the model's 48 are kept for the reply: say it in fewer words, or "
+        "lower --max-new-tokens)"
+    )
+    assert len(notes) == 2 and said[-1] == ""  # "short" was answered
 
 
 def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):
@@ -180,3 +189,51 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_status_141(chat_c
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main([command, str(chat_ckpt), "--max-new-tokens", "2"]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_a_message_that_is_not_utf8_is_asked_again_and_the_conversation_goes_on(chat_ckpt, monkeypatch):
+    """A byte that is not UTF-8 (a lone surrogate to Python) crashed a trained BPE's tokenizer: the conversation was
+    lost."""
+    said, lines = [], iter(["hi", "caf\udce9", "and you?", "/exit"])
+    monkeypatch.setattr("gptforge.sample.format_chat", spy := SpyFormat(format_chat))
+    chat_session(
+        str(chat_ckpt),
+        ChatSettings(temperature=0.0, max_new_tokens=4),
+        read=lambda prompt: next(lines),
+        write=lambda *a, **k: said.append(a[0] if a else ""),
+    )
+    assert "(that message is not valid UTF-8 text (byte 0xe9 at character 4); type it again)" in said
+    assert [(m.role, m.content) for m in spy.calls[-1]][::2] == [("user", "hi"), ("user", "and you?")]
+
+
+@pytest.mark.parametrize("flag", ["--prompt", "--system", "--suffix"])
+def test_a_text_flag_that_is_not_utf8_is_one_line(chat_ckpt, flag):
+    command = "chat" if flag == "--system" else "sample"
+    done = subprocess.run(
+        [sys.executable, "-m", "gptforge", command, str(chat_ckpt), flag.encode(), b"hi \xff"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"gptforge {command}: error: argument {flag}: not valid UTF-8 text (byte 0xff at character 4) "
+        f"(see gptforge {command} --help)\n"
+    )
+
+
+def test_piped_chat_shows_each_message_after_its_prompt_and_asks_again_for_one_not_utf8(chat_ckpt):
+    """Piped, the reply followed 'you> ' on its line (no terminal echoed the message)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gptforge", "chat", str(chat_ckpt), "--max-new-tokens", "3", "--temperature", "0"],
+        input=b"hi \xff\nhello\n",
+        capture_output=True,
+        timeout=300,
+    )
+    lines = done.stdout.split(b"\n")
+    assert done.returncode == 0 and done.stderr == b"", done.stderr
+    assert lines[1:3] == [
+        b"you> hi \xff",
+        b"(that message is not valid UTF-8 text (byte 0xff at character 4); type it again)",
+    ]
+    assert lines[3] == b"you> hello" and lines[-2:] == [b"you> ", b""]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from pathlib import Path
@@ -187,7 +188,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     from gptforge.runtime.threads import use_threads
-    from gptforge.sample import ChatSettings, chat_session
+    from gptforge.sample import ChatSettings, chat_session, echoed
 
     _need_open("stdin", "stdout")
     use_threads(args.threads or 0)
@@ -199,7 +200,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
     )
-    chat_session(args.checkpoint, settings, device=args.device, dtype=args.dtype)
+    for stream in (sys.stdin, sys.stdout):  # a byte that is not UTF-8 reaches the loop, which asks again
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="surrogateescape")
+    read = input if sys.stdin.isatty() else echoed
+    chat_session(args.checkpoint, settings, read=read, device=args.device, dtype=args.dtype)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -44,6 +44,17 @@ def read_text(path: str | Path) -> str:
         return f.read()
 
 
+def not_utf8(text: str) -> str | None:
+    """Why `text` is not valid UTF-8 (a byte that is not, read as a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
+        return f"not valid UTF-8 text ({what} at character {e.start + 1})"
+    return None
+
+
 def parse_json(text: str | bytes) -> Any:
     """json.loads, each way it fails a ValueError whose message is the reason in our words (Python's own wording
     for an integer past 4,300 digits names sys.set_int_max_str_digits)."""

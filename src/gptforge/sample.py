@@ -12,6 +12,7 @@ from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.data.chat.template import ChatTokenizer, Message, format_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
+from gptforge.inputs import not_utf8
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
 
@@ -84,7 +85,7 @@ def _pieces(
             steps = (min(settings[0], run.model.config.block_size - len(ids) + 1), *settings[1:])
         mark = _reverse if suffix is not None and sys.stdout.isatty() else str
         for _ in range(num_samples):
-            yield f"--- sample {index}\n{'' if chat else prompt}"
+            yield f"--- sample {index}\n" + (f"user> {prompt}\nassistant> " if chat else prompt)
             for piece in reply_pieces(run, ids, steps):
                 yield mark(piece)
             yield (suffix or "") + "\n"
@@ -157,11 +158,14 @@ def chat_session(
             turns = []
             write("(a new conversation)")
             continue
+        if not_utf8(line):  # bytes that are not UTF-8: no tokenizer encodes them; the conversation goes on
+            write(f"(that message is {not_utf8(line)}; type it again)")
+            continue
         turns.append(Message("user", line))
-        ids, kept = _fit(run, system, turns, block - min(budget, block // 2))
+        reserve = min(budget, block // 2)  # kept for the reply
+        ids, kept = _fit(run, system, turns, block - reserve)
         if ids is None:
-            turns.pop()
-            write("(that message alone is longer than the model's context; say it in fewer words)")
+            write(_too_long(run, [*system, turns.pop()], reserve, budget))
             continue
         turns = kept
         reply = []
@@ -173,6 +177,26 @@ def chat_session(
             write(" (stopped)", end="")
         write("")
         turns.append(Message("assistant", "".join(reply)))  # what was shown, as the conversation goes on from it
+
+
+def _too_long(run: Inference, opening: list[Message], reserve: int, budget: int) -> str:
+    """Why a message alone does not fit: the context itself, or the room kept for the reply."""
+    block = run.model.config.block_size
+    n = len(format_chat(run.tokenizer, opening, add_generation_prompt=True).ids)
+    if n >= block:
+        return f"(that message takes {n:,} tokens, the model's context {block:,}; say it in fewer words)"
+    return (
+        f"(that message takes {n:,} tokens and {reserve:,} of the model's {block:,} are kept for the reply: say it "
+        f"in fewer words{', or lower --max-new-tokens' if budget >= block // 2 else ''})"
+    )
+
+
+def echoed(prompt: str) -> str:
+    """`input` for messages piped in: the message shows after its prompt, as a terminal echoes what is typed (the
+    reply followed 'you> ' on the same line)."""
+    line = input(prompt)
+    print(line)
+    return line
 
 
 def _fit(run: Inference, system: list[Message], turns: list[Message], room: int) -> tuple[list[int] | None, list]:

@@ -52,7 +52,9 @@ def sample_chat(run, prompt: str, tokens: int) -> str:
     args = ["sample", str(run), "--chat", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(tokens)]
     with contextlib.redirect_stdout(out):
         assert main(args) == 0
-    return out.getvalue().removeprefix("--- sample 0\n").removesuffix("\n")
+    head = f"--- sample 0\nuser> {prompt}\nassistant> "
+    assert out.getvalue().startswith(head)
+    return out.getvalue().removeprefix(head).removesuffix("\n")
 
 
 def test_the_chat_route_answers_as_sample_chat_does_plain_and_streamed(client, root):

@@ -17,6 +17,7 @@ from gptforge.cli.types import (
     preset_name,
     probability,
     seed_value,
+    utf8_text,
 )
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
 from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
@@ -356,9 +357,10 @@ def _add_generation_commands(sub) -> None:
     """sample and chat: text from a checkpoint."""
     s = sub.add_parser("sample", help="generate text from a checkpoint")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
-    s.add_argument("--prompt", action="append", help="text to continue (repeat for several prompts)")
+    s.add_argument("--prompt", action="append", type=utf8_text, help="text to continue (repeat for several prompts)")
     s.add_argument(
         "--suffix",
+        type=utf8_text,
         help="infill: text after the gap; the model writes what goes between prompt and suffix (FIM runs; on a "
         "terminal the middle shows in reverse video)",
     )
@@ -375,7 +377,7 @@ def _add_generation_commands(sub) -> None:
 
     s = sub.add_parser("chat", help="talk with a fine-tuned chat model in the terminal")
     s.add_argument("checkpoint", help="checkpoint folder or run folder (newest checkpoint)")
-    s.add_argument("--system", default="", help="a system message that opens the conversation")
+    s.add_argument("--system", type=utf8_text, default="", help="a system message that opens the conversation")
     s.add_argument("--max-new-tokens", type=at_least(1), default=256, help="longest reply (default 256)")
     s.add_argument("--temperature", type=at_least(0.0, float), default=0.7, help="0 = greedy (default 0.7)")
     s.add_argument("--top-k", type=at_least(0), default=50, help="0 = no top-k")

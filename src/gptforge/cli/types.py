@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from gptforge.inputs import not_utf8
 from gptforge.serve.protocol import allowed_host
 
 # Flags whose value may start with '-' (`--ext -md` drops a kind): argparse would read such a value as a flag.
@@ -52,6 +53,15 @@ def positive_ints(text: str) -> tuple[int, ...]:
     if any(k <= 0 for k in ks):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return ks
+
+
+def utf8_text(text: str) -> str:
+    """A text flag (--prompt, --suffix, --system): bytes that are not UTF-8 reach Python as lone surrogates, which
+    no tokenizer encodes."""
+    reason = not_utf8(text)
+    if reason:
+        raise argparse.ArgumentTypeError(reason)
+    return text
 
 
 def api_key(text: str) -> str:
