@@ -7,11 +7,12 @@ from gptforge.config import OptimConfig, load_config
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.train.muon import Muon
-from gptforge.train.optim import build_optimizer, cosine_lr, lr_at, set_lr
+from gptforge.train.optim import build_optimizer, lr_at, set_lr
 
 
 def test_schedule_values():
-    lr = lambda s: cosine_lr(s, max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=110)  # noqa: E731
+    cosine = OptimConfig(lr=6e-4, min_lr_ratio=0.1, warmup_steps=10, schedule="cosine")
+    lr = lambda s: lr_at(s, cosine, 110)  # noqa: E731
     assert lr(0) == pytest.approx(6e-5)  # warm-up starts at max_lr / warmup
     assert lr(9) == pytest.approx(6e-4)  # and ends at max_lr
     assert lr(10) == pytest.approx(6e-4)

@@ -2,6 +2,7 @@
 blocked."""
 
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -13,7 +14,7 @@ import torch
 from gptforge.config import load_config
 from gptforge.runtime.distributed import SINGLE
 from gptforge.train import trainer
-from gptforge.train.optim import lr_at
+from gptforge.train.optim import Decay, lr_at
 from gptforge.train.stopping import PLAN_AFTER, StopSignal, TimeBudget, Vote, _blocked_stack
 
 
@@ -36,12 +37,12 @@ OPTIM = load_config("tiny").optim
 def drive(b, pace, eval_seconds=0.0, step=0, spent=0.0, optim=OPTIM):
     """Run steps as the trainer does on a fake clock: step i costs pace(i, now) seconds, an evaluation eval_seconds
     (the first, each eval_every steps, and the final one); returns (steps, seconds at the end, each step's lr)."""
-    now, max_steps, lrs = spent, b.ceiling, []
+    now, max_steps, lrs, decay = spent, b.ceiling, [], Decay()
     if step == 0:
         now += eval_seconds
         b.evaluated(eval_seconds)
     while step < max_steps:
-        lrs.append(lr_at(step, optim, max_steps))
+        lrs.append(decay.lr(step, optim, max_steps))
         now += pace(step, now)
         step += 1
         max_steps = b.plan(step, max_steps, now=now, elapsed=now)
@@ -106,8 +107,29 @@ def test_the_schedule_ends_at_the_last_step_whatever_the_replans(pace, schedule)
     steps, seconds, lrs = drive(b, pace, eval_seconds=2.0, optim=optim)
     assert len(lrs) == steps > 10
     assert lrs[-1] == lr_at(steps - 1, optim, steps)
+    decaying = lrs[optim.warmup_steps :]
+    assert all(a >= b for a, b in zip(decaying, decaying[1:])), "the rate rose after a re-plan"
     assert lrs[-1] <= 0.3 * optim.lr  # near the end of its decay (to 10%), not cut halfway
     assert seconds <= 100 + max(pace(i, 100.0) for i in range(steps))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_one_plan_is_the_schedule_itself_and_a_replan_bends_the_decay_without_raising_it(schedule):
+    """runs/mine: 7.89e-4 at step 130, 9.34e-4 at step 135, when a re-plan lengthened the run mid-decay."""
+    optim = dataclasses.replace(OPTIM, schedule=schedule, warmup_steps=5, decay_fraction=0.4)
+    decay = Decay()
+    assert [decay.lr(s, optim, 100) for s in range(100)] == [lr_at(s, optim, 100) for s in range(100)]
+    decay, plans = Decay(), {s: 60 if s < 40 else 150 if s < 90 else 120 for s in range(120)}
+    lrs = [decay.lr(s, optim, plans[s]) for s in range(120)]
+    assert lrs[:5] == [lr_at(s, optim, 60) for s in range(5)]  # the warm-up, whatever the plan
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))  # never up (lr_at of the new plan rose at 40 and 90)
+    assert lr_at(40, optim, 150) > lrs[39] or schedule != "cosine"
+    assert lrs[-1] == lr_at(119, optim, 120)  # the last step at its plan's last rate: the decay ended on time
+    if schedule == "cosine":  # bent, not frozen: it goes on falling after each re-plan
+        assert lrs[39] > lrs[40] > lrs[41] and lrs[89] > lrs[90] > lrs[91]
+    again = Decay()
+    again.load_state_dict(json.loads(json.dumps(decay.state_dict())))  # a resume goes on where it stood
+    assert again == decay
 
 
 def test_evaluations_are_planned_for_and_kept_out_of_the_pace():

@@ -93,12 +93,14 @@ def test_time_budget_cuts_the_step_count(data_dir, tmp_path):
     assert result.checkpoint.name == f"step_{result.steps:06d}"
 
 
-def test_a_time_budget_on_a_clock_that_slows_down_halfway_ends_its_decay_on_time(
-    data_dir, tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize("paces", [(1.0, 2.0), (2.0, 1.0)], ids=["slows down", "speeds up"])
+def test_a_time_budget_on_a_clock_that_changes_pace_halfway_ends_its_decay_on_time(
+    data_dir, tmp_path, monkeypatch, capsys, paces
 ):
-    """The trainer on a fake clock: a step takes 1 s, then 2 s from 30 s on, and a validation token 0.05 s (the
-    whole split, 24 s: a slow host's). The evaluations are cut to fit, and the step count is planned again as the
-    pace drifts, so the run ends on its schedule's last step (the learning rate decayed) within the budget."""
+    """The trainer on a fake clock: a step takes 1 s, then 2 s from 30 s on (or the other way), and a validation
+    token 0.05 s (the whole split, 24 s: a slow host's). The evaluations are cut to fit, and the step count is
+    planned again as the pace drifts, so the run ends on its schedule's last step (the learning rate decayed, never
+    rising when a plan grew) within the budget."""
     import gptforge.train.evaluator as evaluator
     import gptforge.train.trainer as trainer
 
@@ -106,7 +108,7 @@ def test_a_time_budget_on_a_clock_that_slows_down_halfway_ends_its_decay_on_time
     step, score = trainer.train_step, evaluator.evaluate_loss
 
     def slow_step(*args, **kwargs):
-        clock["now"] += 1.0 if clock["now"] < 30 else 2.0
+        clock["now"] += paces[0] if clock["now"] < 30 else paces[1]
         return step(*args, **kwargs)
 
     def slow_score(*args, **kwargs):
@@ -125,6 +127,7 @@ def test_a_time_budget_on_a_clock_that_slows_down_halfway_ends_its_decay_on_time
     assert clock["now"] <= 80 + 2 and result.steps == len(lrs) >= 30  # the stated tolerance: one step
     assert lrs[-1] == lr_at(len(lrs) - 1, cfg.optim, len(lrs))  # the schedule's last step, whatever the plans
     assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.1)  # the decay ended
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # after the warm-up, never up
     # An evaluation may take an eighth of the budget, 10 s: 192 tokens (6 windows), said; the first and the final
     # one score the same, and the run's config says so (`gptforge eval` scores them too).
     out = capsys.readouterr().out

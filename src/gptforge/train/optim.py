@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -83,17 +84,7 @@ def warmup_lr(step: int, max_lr: float, warmup_steps: int) -> float:
     return max_lr * (step + 1) / warmup_steps if step < warmup_steps else max_lr
 
 
-def cosine_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Linear warm-up to max_lr over warmup_steps, then cosine decay to min_lr at max_steps."""
-    if step < warmup_steps:
-        return warmup_lr(step, max_lr, warmup_steps)
-    if step >= max_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
-
-
-def wsd_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float) -> float:
+def wsd_lr(step: float, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float) -> float:
     """Warm-up, stable at max_lr, then linear decay to min_lr over the last `decay_fraction` of the steps."""
     if step < warmup_steps:
         return warmup_lr(step, max_lr, warmup_steps)
@@ -104,16 +95,72 @@ def wsd_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, max_steps
     return max_lr + progress * (min_lr - max_lr)
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """The learning rate of `step` under the configured schedule."""
+def lr_at(step: int, cfg: OptimConfig, max_steps: int, progress: float | None = None) -> float:
+    """The learning rate of `step` under the configured schedule; `progress` (0 to 1 through the steps after warm-up)
+    stands for (step - warmup) / (max_steps - warmup) where a re-planned step count moved it (`Decay`)."""
     min_lr = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        return cosine_lr(step, cfg.lr, min_lr, cfg.warmup_steps, max_steps)
-    if cfg.schedule == "wsd":
-        return wsd_lr(step, cfg.lr, min_lr, cfg.warmup_steps, max_steps, cfg.decay_fraction)
-    if cfg.schedule == "constant":
+    if cfg.schedule not in SCHEDULES:
+        raise GptforgeError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if cfg.schedule == "constant" or step < cfg.warmup_steps:
         return warmup_lr(step, cfg.lr, cfg.warmup_steps)
-    raise GptforgeError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    position = step  # wsd's: a step of this plan
+    if progress is None:
+        progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
+    else:
+        position = cfg.warmup_steps + progress * max(1, max_steps - cfg.warmup_steps)
+    if progress >= 1:
+        return min_lr
+    if cfg.schedule == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+    return wsd_lr(position, cfg.lr, min_lr, cfg.warmup_steps, max_steps, cfg.decay_fraction)
+
+
+@dataclass
+class Decay:
+    """The schedule under a step count that a time budget plans again. The progress through the decay is anchored
+    where the plan last changed and spread over the steps the new plan leaves, to the last step's progress under
+    that plan: a re-plan bends the curve, never raises the rate (the lowest rate given after warm-up is a ceiling,
+    whatever the schedule's shape), and the last step runs at its plan's last rate. With one plan it is `lr_at`."""
+
+    step: int = 0
+    """The step the progress was last anchored at."""
+    progress: float = 0.0
+    """The progress at that step."""
+    plan: int = 0
+    """The step count it was anchored under (0: not yet)."""
+    lowest: float = math.inf
+    """The lowest rate given after warm-up."""
+
+    def lr(self, step: int, cfg: OptimConfig, max_steps: int) -> float:
+        warmup = cfg.warmup_steps
+        if self.plan == 0 or step < warmup:  # the decay starts after warm-up, under the plan of then
+            self.step, self.progress, self.plan = warmup, 0.0, max_steps
+        elif max_steps != self.plan:  # the progress under the old plan, then spread over the new one's steps
+            progress = self._progress(step, warmup)
+            if progress is None:
+                progress = (step - warmup) / max(1, self.plan - warmup)
+            self.step, self.progress, self.plan = step, progress, max_steps
+        if step < warmup:
+            return lr_at(step, cfg, max_steps)
+        self.lowest = min(self.lowest, lr_at(step, cfg, max_steps, self._progress(step, warmup)))
+        return self.lowest
+
+    def _progress(self, step: int, warmup: int) -> float | None:
+        """The progress of `step` under the anchored plan (None: one plan since warm-up, lr_at's own)."""
+        if (self.step, self.progress) == (warmup, 0.0):
+            return None if step < self.plan else 1.0
+        last = self.plan - 1
+        final = (last - warmup) / max(1, self.plan - warmup)  # what lr_at gives the last step of this plan
+        if step >= last:
+            return final if step == last else 1.0
+        return self.progress + (step - self.step) * (final - self.progress) / (last - self.step)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"step": self.step, "progress": self.progress, "plan": self.plan, "lowest": self.lowest}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.step, self.progress, self.plan = int(state["step"]), state["progress"], int(state["plan"])
+        self.lowest = math.inf if state["lowest"] is None else state["lowest"]
 
 
 def set_lr(optimizer: torch.optim.Optimizer | MuonAdamW, lr: float) -> float:

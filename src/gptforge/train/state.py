@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gptforge.errors import GptforgeError
+from gptforge.train.optim import Decay
 
 
 @dataclass
@@ -24,6 +25,8 @@ class TrainState:
     """Of those, the ones since the last applied step."""
     seconds: float = 0.0
     """Wall-clock seconds the run's commands spent so far (a time budget counts them all)."""
+    decay: Decay = field(default_factory=Decay)
+    """Where the learning rate's decay stands under the plans made so far."""
 
     def advance(self, applied: bool, tokens: int) -> None:
         self.step += 1
@@ -47,6 +50,7 @@ class TrainState:
             "skipped_steps": self.skipped,
             "skipped_in_row": self.skipped_in_row,
             "seconds": self.seconds,
+            "decay": self.decay.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -54,6 +58,8 @@ class TrainState:
         self.skipped = state.get("skipped_steps", 0)
         self.skipped_in_row = state.get("skipped_in_row", 0)
         self.seconds = state.get("seconds", 0.0)
+        if "decay" in state:  # a checkpoint from before re-plans bent the decay: one plan, lr_at's own
+            self.decay.load_state_dict(state["decay"])
 
 
 def ramp_accumulation(tokens: int, grad_accum: int, ramp_tokens: int) -> int:

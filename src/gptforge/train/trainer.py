@@ -29,7 +29,7 @@ from gptforge.train.checkpointer import Checkpointer, find_resume
 from gptforge.train.claim import claim_run_dir
 from gptforge.train.evaluator import Evaluator, fit_evaluations
 from gptforge.train.metrics import MetricsLog, NullLog
-from gptforge.train.optim import lr_at, set_lr
+from gptforge.train.optim import set_lr
 from gptforge.train.setup import (
     TrainSetup,
     build,
@@ -201,7 +201,7 @@ def _step(run: _Run, batches: Prefetcher) -> StepStats:
     """One optimizer step at the schedule's learning rate, counted; the time budget plans the step count after it."""
     cfg, s, state, world = run.cfg, run.s, run.state, run.env.world_size
     t0 = time.perf_counter()
-    lr = set_lr(s.optimizer, lr_at(state.step, cfg.optim, state.max_steps))
+    lr = set_lr(s.optimizer, state.decay.lr(state.step, cfg.optim, state.max_steps))
     accum = ramp_accumulation(state.tokens, s.grad_accum, cfg.train.batch_ramp_tokens)
     loss, norm, applied = train_step(
         s.train_model, s.model, s.optimizer, s.scaler, batches.next_batch, accum, cfg.optim.grad_clip, s.dtype, run.env
