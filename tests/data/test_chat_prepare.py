@@ -8,6 +8,7 @@ import torch
 
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.chat.template import with_chat
+from gptforge.data.clean.dedup import DedupSettings
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest, read_mask, read_shard, verify_shard
 from gptforge.data.tokenizer import GPT2Tokenizer
@@ -247,3 +248,27 @@ def test_a_base_model_on_conversations_and_windows_with_no_reply_are_one_line(tm
     prepare_chat(str(_write(tmp_path / "l.jsonl", long)), tmp_path / "long", ChatSettings(val_fraction=0))
     with pytest.raises(GptforgeError, match="every conversation is cut before its reply"):
         TokenLoader(tmp_path / "long", "train", batch_size=1, seq_len=32)
+
+
+def test_contaminated_conversations_are_rows_of_removed_jsonl_and_no_copy_names_one_as_kept(tmp_path):
+    """report.md counted contaminated conversations that removed.jsonl could lose unseen; their copies said
+    `"kept": "<the contaminated one>"`."""
+    leak = " ".join(f"w{i}" for i in range(13))
+    evals = _write(tmp_path / "eval.jsonl", [{"q": leak}])
+    rows = [
+        _turns(("user", "Name a prime."), ("assistant", "Seven.")),
+        _turns(("user", f"Explain {leak}."), ("assistant", "It is a list of words, each one a w and a number.")),
+        _turns(("user", f"Explain {leak}."), ("assistant", "It is a list of words, each one a w and a number.")),
+        _turns(("user", "Explain w0 to w12."), ("assistant", "It is a list of words, each one a w and a number.")),
+    ]
+    src = _write(tmp_path / "chats.jsonl", rows)
+    for dedup in ("near", "exact"):
+        out = tmp_path / dedup
+        settings = ChatSettings(val_fraction=0, decontaminate=(str(evals),), dedup=DedupSettings(mode=dedup))
+        prepare_chat(str(src), out, settings)
+        removed = [json.loads(line) for line in (out / "removed.jsonl").read_text().splitlines()]
+        assert [(r["document"], r["stage"]) for r in removed] == [
+            (f"{src}:2", "contaminated"),
+            (f"{src}:3", "contaminated"),
+        ], removed
+        assert "contaminated | 2" in (out / "report.md").read_text().replace("*", "")

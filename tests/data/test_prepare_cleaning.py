@@ -324,3 +324,29 @@ def test_a_trained_tokenizer_learns_only_from_the_documents_kept(corpus_dir, tmp
     m = prepare(PrepareSettings.from_flags(str(noisy), **args), tmp_path / "b", workers=1)
     assert m["report"]["stages"]["exact duplicates"]["docs"] == 30 and m["report"]["filters"]
     assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+
+
+@pytest.mark.parametrize("dedup", ["near", "exact"])
+def test_a_copy_of_a_contaminated_document_never_names_it_as_the_one_kept(tmp_path, dedup):
+    """Copies of a decontaminated document said `"kept": "<the contaminated one>"` in removed.jsonl and report.md."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):  # doc00 is held out (the first document always is): not checked for contamination
+        (src / f"doc{i:02d}.txt").write_text(_text(i + 10))
+    leak = _text(99, lines=2)  # 16 words of the evaluation file, in doc01 only
+    (src / "doc01.txt").write_text(leak + _text(0))
+    (src / "doc02.txt").write_text(leak + _text(0))  # an exact copy of the contaminated one: contaminated too
+    (src / "doc03.txt").write_text(_near_copy(_text(0)))  # a near copy without the leak: kept, no one's copy
+    (src / "doc04.txt").write_text(_near_copy(_text(0)).replace("a changed line", "another changed line"))
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"ctx": leak}) + "\n")
+    flags = dict(val_fraction=0, dedup=dedup, decontaminate=[str(evals)])
+    prepare(PrepareSettings.from_flags(str(src), **flags), tmp_path / "out", workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    removed = {r["document"] for r in rows}
+    assert {"doc01.txt", "doc02.txt"} <= removed and "doc03.txt" not in removed
+    assert [r["stage"] for r in rows if r["document"] in ("doc01.txt", "doc02.txt")] == ["decontaminated"] * 2
+    named = {r["kept"] for r in rows if "kept" in r}
+    assert not named & removed, rows  # each removal names a document that was kept
+    if dedup == "near":
+        assert {r["document"]: r["kept"] for r in rows if "kept" in r} == {"doc04.txt": "doc03.txt"}

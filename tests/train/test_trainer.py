@@ -127,7 +127,7 @@ def test_a_time_budget_on_a_clock_that_changes_pace_halfway_ends_its_decay_on_ti
     assert clock["now"] <= 80 + 2 and result.steps == len(lrs) >= 30  # the stated tolerance: one step
     assert lrs[-1] == lr_at(len(lrs) - 1, cfg.optim, len(lrs))  # the schedule's last step, whatever the plans
     assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.1)  # the decay ended
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # after the warm-up, never up
+    assert lrs[2:] == sorted(lrs[2:], reverse=True)  # after the warm-up, never up
     # An evaluation may take an eighth of the budget, 10 s: 192 tokens (6 windows), said; the first and the final
     # one score the same, and the run's config says so (`gptforge eval` scores them too).
     out = capsys.readouterr().out

@@ -135,8 +135,8 @@ def judge(
     outcome: Outcome, dedup: Deduplicator, report: Report, names: dict[int, str], *, quality: Classifier | None = None
 ) -> bool:
     """Whether a document is kept, in the stated order: filters, the quality classifier (GPT-3's order: before
-    de-duplication), then duplicates of an earlier kept document (decided here, in document order, whatever the
-    worker count), then contamination; counted in `report`."""
+    de-duplication), contamination, then duplicates of an earlier kept document (decided here, in document order,
+    whatever the worker count); counted in `report`."""
     index, name, n_bytes = outcome.index, outcome.name, outcome.n_bytes
     language = language_of(name)
     report.read(language, n_bytes)
@@ -148,15 +148,15 @@ def judge(
         report.scored(name, outcome.score, kept, n_bytes)
         if not kept:
             return False
+    if outcome.contaminated:  # before de-duplication: a removed document is no later copy's kept one
+        report.decontaminated(name, n_bytes)
+        return False
     verdict = dedup.check(index, outcome.fingerprint) if outcome.fingerprint is not None else None
     if verdict is not None:
         report.duplicate(verdict.kind, name, names.get(verdict.of, "?"), verdict.similarity, n_bytes)
         return False
     if dedup.settings.mode != "none":
         names[index] = name  # a kept document: a later duplicate names it
-    if outcome.contaminated:
-        report.decontaminated(name, n_bytes)
-        return False
     report.kept(language, n_bytes)
     return True
 

@@ -84,7 +84,9 @@ def warmup_lr(step: int, max_lr: float, warmup_steps: int) -> float:
     return max_lr * (step + 1) / warmup_steps if step < warmup_steps else max_lr
 
 
-def wsd_lr(step: float, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float) -> float:
+def wsd_lr(
+    step: float, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_fraction: float
+) -> float:
     """Warm-up, stable at max_lr, then linear decay to min_lr over the last `decay_fraction` of the steps."""
     if step < warmup_steps:
         return warmup_lr(step, max_lr, warmup_steps)

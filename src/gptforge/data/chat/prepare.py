@@ -171,6 +171,11 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
     kept: dict[int, str] = {}
     for index, (where, messages, split) in enumerate(read_conversations(files, counts)):
         text = "".join(f"{m.role}\n{m.content}\n" for m in messages)
+        if ngrams and is_contaminated(text, ngrams):  # before de-duplication: no copy names it as the one kept
+            counts.removed["contaminated"] += 1
+            counts.removed_rows.append(f"{where}: shares a 13-gram with the evaluation files")
+            counts.trace.append(removal(where, "contaminated"))
+            continue
         verdict = dedup.check(index, _fingerprint(messages, settings.dedup))
         if verdict is not None:
             counts.removed[f"{verdict.kind} duplicate"] += 1
@@ -179,11 +184,6 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
             counts.trace.append(removal(where, f"{verdict.kind} duplicate", kept=kept[verdict.of], jaccard=jaccard))
             continue
         kept[index] = where
-        if ngrams and is_contaminated(text, ngrams):
-            counts.removed["contaminated"] += 1
-            counts.removed_rows.append(f"{where}: shares a 13-gram with the evaluation files")
-            counts.trace.append(removal(where, "contaminated"))
-            continue
         key = hashlib.sha256(text.encode()).hexdigest()
         split = split or ("val" if is_validation(key, index, settings.val_fraction, settings.seed) else "train")
         chat = format_chat(tokenizer, messages, add_generation_prompt=False)
