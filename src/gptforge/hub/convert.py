@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
-from gptforge.data.chat.template import CHAT_TEMPLATE, CHAT_TEXTS, ChatTokenizer, added_tokens, with_chat
+from gptforge.data.chat.template import CHAT_TEMPLATE, CHAT_TEXTS, UNMARKED, ChatTokenizer, added_tokens, with_chat
 from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
 from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import building_dir, usual_mode, write_json
+from gptforge.files import atomic_write, building_dir, usual_mode, write_json
 from gptforge.hub import modern
 from gptforge.hub.foreign import (
     FLOAT_DTYPES,
@@ -139,7 +139,10 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
 def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
     """Files AutoTokenizer loads: GPT-2's vocab.json/merges.txt, or a trained BPE's tokenizer.json."""
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    if tokenizer.path is None:
+    if isinstance(tokenizer, ChatTokenizer):  # its template's marks need the normalizer only tokenizer.json holds
+        atomic_write(out / "tokenizer.json", chat_tokenizer_json(tokenizer))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    elif tokenizer.path is None:
         shutil.copyfile(_gpt2_data("encoder.json"), out / "vocab.json")
         shutil.copyfile(_gpt2_data("vocab.bpe"), out / "merges.txt")
         config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **special}
@@ -155,6 +158,26 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> N
         config["chat_template"] = CHAT_TEMPLATE
     write_json(out / "tokenizer_config.json", config)
     write_json(out / "special_tokens_map.json", special)
+
+
+def chat_tokenizer_json(tokenizer: ChatTokenizer) -> str:
+    """The `tokenizers` file of a chat model: the base BPE, every added token matched as written, and a normalizer
+    that takes the template's marks out of a message's text (`template.MARK`): `apply_chat_template` gives our ids,
+    a message's special-token text included."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Tokens
+
+    if tokenizer.path is None:  # GPT-2's own BPE, as transformers' GPT2TokenizerFast builds it
+        tokens = Tokens(models.BPE.from_file(str(_gpt2_data("encoder.json")), str(_gpt2_data("vocab.bpe"))))
+        tokens.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokens.decoder = decoders.ByteLevel()
+        tokens.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        tokens = Tokens.from_file(str(tokenizer.path))
+    tokens.normalizer = normalizers.Sequence([normalizers.Replace(a, b) for a, b in UNMARKED])
+    added = [EOT_TEXT, *added_tokens(tokenizer).values()]
+    tokens.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in added])
+    return tokens.to_str()
 
 
 def export_hf(model: GPT, tokenizer: Tokenizer, out_dir: str | Path) -> Path:

@@ -23,13 +23,25 @@ CHAT_TEXTS = ("<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
 SAME_AS = {"developer": "system"}  # OpenAI's newer name for the instructions (its SDK sends it for newer models)
 TEMPLATE_NAME = "chatml"
-# The Jinja form of `format_chat`, as Hugging Face's `apply_chat_template` and llama.cpp read it.
+# Exported templates mark every '<|' of a message's content with a noncharacter (Unicode keeps them for a program's
+# own use), and the exported tokenizer's normalizer removes the marks: the content's special-token text stays
+# text, as `format_chat` encodes it, and no message can close its turn or open a system turn. A mark in the content
+# itself is doubled first, so the normalizer gives back exactly what was sent.
+MARK = "\ufdd0"
+# The Jinja form of `format_chat` and `parse_messages` (a developer message is a system one; text parts are joined),
+# as Hugging Face's `apply_chat_template` and llama.cpp's Jinja read it.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
+    "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% else %}{% set content = message['content'] | map(attribute='text') | join('') %}{% endif %}"
+    f"{{{{ '<|im_start|>' + role + '\\n' + content | replace('{MARK}', '{MARK * 2}') | replace('<|', '<{MARK}|')"
+    " + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+UNMARKED = ((f"<{MARK}|", "<|"), (MARK * 2, MARK))
+"""What the exported normalizer replaces, in order: the marks the template put in, back to the content sent."""
 
 
 class ConversationError(GptforgeError):
