@@ -113,6 +113,11 @@ def _hf_names(key: str, kind: str) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{part}.{param}" for part in parts)
 
 
+def hf_modules(module: str, cfg: GPTConfig) -> tuple[str, ...]:
+    """The HF linear layers one of ours (`transformer.h.N.attn.c_attn`) splits into, its output rows in order."""
+    return tuple(name.removesuffix(".weight") for name in _hf_names(f"{module}.weight", model_type(cfg)))
+
+
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our weights under HF names: fused projections split, real vocabulary, tied head left out (HF re-ties it)."""
     cfg, out, kind = model.config, {}, model_type(model.config)

@@ -1,15 +1,18 @@
 """A LoRA run as a PEFT adapter folder: `peft` loads it onto the base model exported beside it.
 
     OUT/adapter_config.json, adapter_model.safetensors, tokenizer files    the adapters, in PEFT's names and shapes
-    OUT/base/                                                                 the frozen base weights, a GPT2LMHeadModel
+    OUT/base/                                                              the frozen base weights, an HF model folder
 
 The base is exported with the run's own tokenizer, so tokens the fine-tuning added (the chat template's) exist in it.
+The modern block's fused layers are several in Hugging Face (q|k|v, gate|up): an adapter on one is one adapter per
+piece, all sharing A, each with its block of B's rows, since B A x stacks the pieces' updates as W x stacks theirs.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -25,39 +28,51 @@ from gptforge.model.lora import LoRASpec, lora_layers, merge_lora
 BASE = "base"
 
 
-def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
-    """Each adapter under PEFT's key: base_model.model.<layer>.lora_A.weight (r, in) and lora_B.weight (out, r)."""
-    out = {}
+def hf_adapters(model: GPT) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each adapter as (A (r, in), B (out, r)) under the name of the HF layer it adapts."""
+    gpt2, out = modern.exports_as_gpt2(model.config), {}
     for name, layer in lora_layers(model).items():
-        for part in ("lora_A", "lora_B"):
-            out[f"base_model.model.{name}.{part}.weight"] = getattr(layer, part).detach().float().cpu().contiguous()
+        names = (name,) if gpt2 else modern.hf_modules(name, model.config)
+        for hf_name, b in zip(names, layer.lora_B.chunk(len(names)), strict=True):
+            out[hf_name] = (layer.lora_A, b)
     return out
 
 
-def export_peft(model: GPT, tokenizer: Tokenizer, spec: LoRASpec, out_dir: str | Path) -> Path:
-    """Write the adapter folder and its base; refused for the modern block, whose fused qkv PEFT sees split."""
-    if not modern.exports_as_gpt2(model.config):
-        raise GptforgeError(
-            "--format peft: only the GPT-2 block exports as an adapter (the modern block's fused qkv becomes three "
-            "layers in Hugging Face); export the run as a merged model instead (the default --format hf)"
-        )
-    if not lora_layers(model):
-        raise GptforgeError("--format peft: this checkpoint has no adapters (train.lora_rank was 0)")
-    out = Path(out_dir)
-    config = {
+def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
+    """Each adapter under PEFT's key: base_model.model.<layer>.lora_A.weight (r, in) and lora_B.weight (out, r)."""
+    out = {}
+    for name, pair in hf_adapters(model).items():
+        for part, value in zip(("lora_A", "lora_B"), pair, strict=True):
+            # a copy each: the pieces of one adapter share its A and B's storage, which safetensors refuses
+            out[f"base_model.model.{name}.{part}.weight"] = value.detach().float().cpu().contiguous().clone()
+    return out
+
+
+def adapter_config(model: GPT, spec: LoRASpec) -> dict[str, Any]:
+    """adapter_config.json: PEFT's scaling is lora_alpha / r, as ours; a target matches a name ending in it."""
+    # transformer.h.N.attn.c_attn and model.layers.N.self_attn.q_proj: the layer's name past its index
+    targets = list(dict.fromkeys(name.split(".", 3)[3] for name in hf_adapters(model)))
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": list(spec.targets),  # PEFT matches a name ending in ".<target>"
-        "fan_in_fan_out": True,  # GPT2LMHeadModel's Conv1D layers store (in, out)
+        "target_modules": targets,
+        "fan_in_fan_out": modern.exports_as_gpt2(model.config),  # GPT-2's Conv1D layers store (in, out)
         "bias": "none",
         "base_model_name_or_path": BASE,
     }
+
+
+def export_peft(model: GPT, tokenizer: Tokenizer, spec: LoRASpec, out_dir: str | Path) -> Path:
+    """Write the adapter folder and its base (the model without its adapters)."""
+    if not lora_layers(model):
+        raise GptforgeError("--format peft: this checkpoint has no adapters (train.lora_rank was 0)")
+    out = Path(out_dir)
     with building_dir(out) as tmp:
         export_hf(merge_lora(copy.deepcopy(model), merge=False), tokenizer, tmp / BASE)
-        write_json(tmp / "adapter_config.json", config)
+        write_json(tmp / "adapter_config.json", adapter_config(model, spec))
         save_file(adapter_state(model), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         usual_mode(tmp / "adapter_model.safetensors")
         write_tokenizer_files(tokenizer, tmp, model.config.block_size)
