@@ -93,6 +93,42 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
     assert main([*args, "--resume", "auto"]) == 0  # space freed: the run continues from step 2
 
 
+@pytest.mark.parametrize("library", ["safetensors", "torch"])
+def test_a_checkpoint_file_past_the_largest_allowed_is_one_line_and_keeps_the_previous_checkpoint(
+    data_dir, tmp_path, monkeypatch, capsys, library
+):
+    import resource
+
+    import gptforge.checkpoint.save
+
+    real_save, saves = gptforge.checkpoint.save.save_model, []
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def capped(model, path):  # the second checkpoint meets a real cap on a file's size, as `ulimit -f` sets one
+        saves.append(path)
+        if len(saves) == 2:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            # Below the weights: safetensors fails; between them and AdamW's state (twice them): torch.save does.
+            cap = weights // 4 if library == "safetensors" else weights * 3 // 2
+            resource.setrlimit(resource.RLIMIT_FSIZE, (cap, hard))
+        real_save(model, path)
+
+    monkeypatch.setattr(gptforge.checkpoint.save, "save_model", capped)
+    run = tmp_path / "run"
+    args = ["train", "--config", "tiny", "--data", str(data_dir), "--out", str(run), "--set", "train.max_steps=4"]
+    try:
+        assert main([*args, "--set", "checkpoint.every=2", "--set", "eval.every=0"]) == 1
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptforge train: error: cannot write {run / 'checkpoints' / 'step_000004'}: File too large")
+    assert err.endswith(" bytes (ulimit -f): raise that limit\n") and len(err.splitlines()) == 1
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]  # no temp folder left
+    assert not [p for p in run.rglob("*") if ".tmp." in p.name or "gptforge-tmp" in p.name]
+    assert load_checkpoint(run)[3]["step"] == 2
+    assert main([*args, "--resume", "auto"]) == 0  # the limit raised: the run continues from step 2
+
+
 def test_checkpoint_files_get_the_usual_permissions(tmp_path):
     from gptforge.config import Config
     from gptforge.data.tokenizer import load_tokenizer

@@ -226,6 +226,28 @@ def test_a_write_into_a_read_only_folder_is_one_gptforge_error(tmp_path, monkeyp
         atomic_write(tmp_path / "missing" / "a.json", "x")
 
 
+@pytest.mark.parametrize("how", ["os", "safetensors", "torch"])
+def test_a_file_past_the_file_systems_largest_is_one_line_naming_the_cap(tmp_path, monkeypatch, how):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    final = tmp_path / "export"
+    with pytest.raises(GptforgeError) as e, building_dir(final) as tmp:
+        if how == "os":
+            raise OSError(errno.EFBIG, "File too large")
+        if how == "safetensors":  # its own error type and words
+            raise RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+        with open(tmp / "optimizer.pt", "wb") as f:  # torch's writer stops at FAT32's cap, and says only this
+            f.truncate(2**32 - 1)  # its largest file; sparse: no disk space taken
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4294967295 vs 4294967360")
+    assert str(e.value).startswith(f"cannot write {final}: File too large")
+    assert str(e.value).endswith(
+        "; the file system there caps the size of a file (FAT32 at 4 GiB): "
+        "write to a drive with another file system (ext4, NTFS, exFAT)"
+    )
+    assert list(tmp_path.iterdir()) == []  # no temp folder left
+
+
 def test_folders_of_the_user_beside_the_target_are_never_taken_for_temp_or_old(tmp_path):
     final = tmp_path / "d8"
     final.mkdir()

@@ -8,12 +8,14 @@ folder from here, which is swapped in only once complete. Reading the user's fil
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import json
 import math
 import os
 import re
+import resource
 import secrets
 import shutil
 import stat
@@ -189,7 +191,8 @@ def replacing_dir(final: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def writing(target: Path) -> Iterator[None]:
     """Turn a failed write into one line naming `target`. Libraries that write for us (safetensors, torch.save)
-    report a full disk in their own words, so their errors are read as one when the disk has no room left."""
+    report a full disk, or a file grown past the largest size allowed, in their own words, so their errors are
+    read as one of these when the words or the disk say so."""
     try:
         yield
     except (GptforgeError, KeyboardInterrupt):
@@ -197,10 +200,15 @@ def writing(target: Path) -> Iterator[None]:
     except OSError as e:
         temp = e.filename and any(t in str(e.filename) for t in (".tmp", ".gptforge-tmp"))
         where = e.filename if e.filename and not temp else target  # not our temp names
-        if e.errno is None and _disk_full(target, e):  # numpy's short write: "N requested and M written"
+        if e.errno is None and _too_large(target, e):  # numpy's short write: "N requested and M written"
+            raise GptforgeError(f"cannot write {where}: File too large ({e}); {_size_cap()}") from None
+        if e.errno is None and _disk_full(target, e):
             raise GptforgeError(f"cannot write {where}: No space left on device ({e})") from None
-        raise GptforgeError(f"cannot write {where}: {e.strerror or e}") from None
+        cap = f"; {_size_cap()}" if e.errno == errno.EFBIG else ""
+        raise GptforgeError(f"cannot write {where}: {e.strerror or e}{cap}") from None
     except Exception as e:
+        if _too_large(target, e):
+            raise GptforgeError(f"cannot write {target}: File too large ({first_detail(e)}); {_size_cap()}") from None
         if not _disk_full(target, e):
             raise
         raise GptforgeError(f"cannot write {target}: No space left on device ({first_detail(e)})") from None
@@ -211,6 +219,36 @@ def _disk_full(target: Path, error: Exception) -> bool:
         return True
     folder = next((p for p in (target, *target.parents) if p.exists()), Path("."))
     return shutil.disk_usage(folder).free < 64 << 20
+
+
+FAT32_LARGEST = 2**32 - 1
+"""The largest file FAT32 holds (4 GiB less a byte): a write past it fails with EFBIG, the file left at this size."""
+
+
+def _too_large(target: Path, error: Exception) -> bool:
+    """Whether a library's failed write met a cap on a file's size (errno EFBIG): its words say so (safetensors), or
+    a file being written for `target` stopped at the cap (torch's "unexpected pos" and numpy's short writes)."""
+    if "File too large" in str(error) or "os error 27" in str(error):
+        return True
+    caps = (FAT32_LARGEST, resource.getrlimit(resource.RLIMIT_FSIZE)[0])
+    tmp, named_target = temp_dir_path(target), named(target)
+    beside = named_target.with_name(f".{named_target.name}.tmp.{os.getpid()}")  # atomic_write's and write_gguf's
+    try:
+        files = [beside, *(tmp.rglob("*") if tmp.is_dir() else ())]
+        return any(p.is_file() and p.stat().st_size in caps for p in files)
+    except OSError:  # the folder is unreadable: the library's error stands
+        return False
+
+
+def _size_cap() -> str:
+    """What caps a file's size: this process's limit when it has one (`ulimit -f`), else the file system."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"this process may write files of at most {limit:,} bytes (ulimit -f): raise that limit"
+    return (
+        "the file system there caps the size of a file (FAT32 at 4 GiB): "
+        "write to a drive with another file system (ext4, NTFS, exFAT)"
+    )
 
 
 LOCK = ".lock"
