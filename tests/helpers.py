@@ -52,3 +52,32 @@ def lock_held_elsewhere(folder, what="train"):
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def chat_checkpoint(path, chat: bool = True, ends_every_reply: bool = False):
+    """A tiny GPT-2-block checkpoint with the gpt2 tokenizer (and the chat template's tokens when `chat`); with
+    `ends_every_reply`, weights that put `<|im_end|>` first at every position: each reply ends at once, by that
+    token alone (a stop that is missed shows as `<|im_end|>` text)."""
+    import dataclasses
+
+    from gptforge.checkpoint import write_checkpoint
+    from gptforge.config import load_config
+    from gptforge.data.chat.template import with_chat
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model.gpt import GPT
+
+    cfg = load_config("tiny")
+    base = load_tokenizer("gpt2")
+    tok = with_chat(base) if chat else base
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size, block_size=48)
+    cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, chat_template="chatml" * chat))
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    if ends_every_reply:
+        with torch.no_grad():  # ln_f's output is its bias whatever the input; the tied head then scores im_end most
+            direction = torch.nn.functional.normalize(torch.randn(model_cfg.n_embd), dim=0)
+            model.transformer.ln_f.weight.zero_()
+            model.transformer.ln_f.bias.copy_(10 * direction)
+            model.transformer.wte.weight[tok.im_end] = 10 * direction
+    write_checkpoint(path, model, None, cfg, base, {"step": 1})
+    return path

@@ -1,37 +1,23 @@
 """`sample --chat` and `gptforge chat`: a chat checkpoint's replies in the terminal; a base model is refused."""
 
-import dataclasses
 import io
 import subprocess
 import sys
 
 import pytest
-import torch
+from tests.helpers import chat_checkpoint
 
-from gptforge.checkpoint import load_checkpoint, write_checkpoint
+from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
-from gptforge.config import load_config
 from gptforge.data.chat.template import Message, format_chat, with_chat
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.model.generate import generate
-from gptforge.model.gpt import GPT
 from gptforge.sample import ChatSettings, chat_session
-
-
-def _checkpoint(path, chat: bool):
-    cfg = load_config("tiny")
-    base = load_tokenizer("gpt2")
-    tok = with_chat(base) if chat else base
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size, block_size=48)
-    cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, chat_template="chatml" * chat))
-    torch.manual_seed(0)
-    write_checkpoint(path, GPT(model_cfg), None, cfg, base, {"step": 1})
-    return path
 
 
 @pytest.fixture(scope="module")
 def chat_ckpt(tmp_path_factory):
-    return _checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", chat=True)
+    return chat_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", chat=True)
 
 
 def test_a_chat_checkpoint_loads_with_its_template_tokens_and_sample_chat_prints_the_greedy_reply(chat_ckpt, capsys):
@@ -96,7 +82,7 @@ def test_the_oldest_turns_leave_a_full_context_and_an_overlong_message_is_said(c
 
 
 def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):
-    base = _checkpoint(tmp_path / "base", chat=False)
+    base = chat_checkpoint(tmp_path / "base", chat=False)
     assert main(["sample", str(base), "--chat", "--prompt", "hi"]) == 1
     assert main(["chat", str(base)]) == 1
     errors = capsys.readouterr().err.strip().splitlines()
@@ -237,3 +223,23 @@ def test_piped_chat_shows_each_message_after_its_prompt_and_asks_again_for_one_n
         b"(that message is not valid UTF-8 text (byte 0xff at character 4); type it again)",
     ]
     assert lines[3] == b"you> hello" and lines[-2:] == [b"you> ", b""]
+
+
+def test_a_reply_ends_at_the_end_of_its_turn_in_chat_and_sample_chat(tmp_path, capsys):
+    """A model whose every reply ends at once: dropping the stop at <|im_end|> would print it as text and go on."""
+    ckpt = chat_checkpoint(tmp_path / "stops", ends_every_reply=True)
+    args = ["sample", str(ckpt), "--chat", "--prompt", "hi", "--temperature", "0", "--max-new-tokens", "8"]
+    assert main(args) == 0
+    assert capsys.readouterr().out == "--- sample 0\nuser> hi\nassistant> \n"
+    said, lines = [], iter(["hi", "and you?", "/exit"])
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr("gptforge.sample.format_chat", spy := SpyFormat(format_chat))
+        chat_session(
+            str(ckpt),
+            ChatSettings(temperature=0.0, max_new_tokens=8),
+            read=lambda prompt: next(lines),
+            write=lambda *a, **k: said.append(a[0] if a else ""),
+        )
+    assert "<|im_end|>" not in "".join(said)
+    assert [(m.role, m.content) for m in spy.calls[-1]] == [("user", "hi"), ("assistant", ""), ("user", "and you?")]

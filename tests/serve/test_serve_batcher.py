@@ -87,6 +87,15 @@ def test_a_requests_output_does_not_depend_on_the_rest_of_the_batch(run):
     assert [sampled_alone[0].text(i) for i in (0, 1)] == [together[1].text(i) for i in (0, 1)]
     assert together[1].text(0) != together[1].text(1)  # each choice its own random stream
     assert all(isinstance(r.ends[0], Done) for r in (*mixed, *together)) and batcher.generating == 0
+    for request, body in zip([*mixed, *together], [*OTHERS[1:], GREEDY, OTHERS[0]], strict=True):
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        choices = len(prompts) * body.get("n", 1)
+        assert [e.reason for e in request.events if isinstance(e, Finish)] == ["length"] * choices
+        assert request.ends[0].usage == {  # every choice of every prompt counted (not the last choice's alone)
+            "prompt_tokens": sum(len(run.tokenizer.encode(p)) for p in prompts),
+            "completion_tokens": choices * body["max_tokens"],
+            "total_tokens": sum(len(run.tokenizer.encode(p)) for p in prompts) + choices * body["max_tokens"],
+        }
 
 
 def test_choices_beyond_the_capacity_wait_and_a_request_that_leaves_frees_its_rows(run):

@@ -10,6 +10,7 @@ import shutil
 
 import httpx
 import pytest
+from tests.helpers import chat_checkpoint
 from tests.serve.server import serving
 
 from gptforge.checkpoint import latest_checkpoint
@@ -38,6 +39,7 @@ def root(runs_dir, tmp_path_factory):
         root / "runs" / "chat",
     )
     shutil.copytree(runs_dir / "alpha", root / "runs" / "base")
+    chat_checkpoint(root / "runs" / "stopper" / "checkpoints" / "step_000001", ends_every_reply=True)
     return root / "runs"
 
 
@@ -128,3 +130,42 @@ def test_what_sdks_send_is_read_and_a_reply_ends_at_the_context(client):
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content"
+
+
+def test_the_prompt_is_the_templates_with_the_replys_opening_and_a_reply_ends_at_its_turn(client, root):
+    """The route's prompt without `<|im_start|>assistant\\n`, or without the stop at `<|im_end|>`, passed the tests
+    (a 2-step model's reply ignores its prompt): here a model whose every reply ends at once."""
+    from gptforge.checkpoint import load_checkpoint
+    from gptforge.data.chat.template import format_chat, parse_messages
+
+    _, url = client
+    tok = load_checkpoint(root / "stopper")[1]
+    prompt = len(format_chat(tok, parse_messages(ASK), add_generation_prompt=True).ids)
+    for stream in (False, True):
+        body = {"model": "stopper", "messages": ASK, "n": 3, "temperature": 1.0, "max_tokens": 8, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            usage = chunks[-1]["usage"]
+            assert sorted(f for f in finishes if f) == ["stop"] * 3 and text == ""
+        else:
+            answer = r.json()
+            assert [(c["message"]["content"], c["finish_reason"]) for c in answer["choices"]] == [("", "stop")] * 3
+            usage = answer["usage"]
+        assert usage["prompt_tokens"] == prompt, usage  # the template's ids, the reply's opening included
+        assert usage["completion_tokens"] == 0, usage  # the end of the turn is not text
+
+
+def test_a_chat_request_without_max_tokens_may_run_to_the_servers_limit():
+    """OpenAI's chat default is the model's room, not the completions route's 16 (capped at --max-tokens)."""
+    from gptforge.serve.protocol import Limits, parse_chat, parse_completion
+
+    body = {"model": "chat", "messages": ASK}
+    assert parse_chat(body, Limits(max_tokens=77)).max_tokens == 77
+    assert parse_chat({**body, "max_completion_tokens": 5, "max_tokens": 9}, Limits(max_tokens=77)).max_tokens == 5
+    assert parse_completion({"model": "chat", "prompt": "x"}, Limits(max_tokens=77)).max_tokens == 16
