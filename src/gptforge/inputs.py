@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
+import re
+import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,34 @@ def open_text(path: str | Path) -> TextIO:
     """A UTF-8 text file, gunzipped on the fly when it ends in .gz; a leading byte order mark is dropped."""
     path = Path(path)
     return gzip.open(path, "rt", encoding="utf-8-sig") if path.suffix == ".gz" else open(path, encoding="utf-8-sig")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def printable(path: str | Path) -> str:
+    """`path` as text that UTF-8 files, JSON, TOML and HTTP can carry: a byte of a name that is not UTF-8 (which
+    Python reads as a lone surrogate) is written as backslashreplace shows it, 'caf\\xe9.py'."""
+    return _SURROGATE.sub(_escaped, os.fsdecode(path))
+
+
+def _escaped(match: re.Match) -> str:
+    char = ord(match[0])
+    return f"\\x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"\\u{char:04x}"
+
+
+@contextlib.contextmanager
+def utf8_path(path: str | Path) -> Iterator[str]:
+    """`path` as a name that libraries taking UTF-8 paths only (safetensors, tokenizers) can open: one that is not
+    UTF-8 is reached through a link from a temporary folder."""
+    name = os.fspath(path)
+    if not_utf8(name) is None:
+        yield name
+        return
+    with tempfile.TemporaryDirectory(prefix="gptforge-") as folder:
+        link = os.path.join(folder, "link")
+        os.symlink(os.path.abspath(name), link)
+        yield link
 
 
 def format_suffix(path: str | Path) -> str:

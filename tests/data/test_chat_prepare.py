@@ -272,3 +272,17 @@ def test_contaminated_conversations_are_rows_of_removed_jsonl_and_no_copy_names_
             (f"{src}:3", "contaminated"),
         ], removed
         assert "contaminated | 2" in (out / "report.md").read_text().replace("*", "")
+
+
+def test_a_file_whose_name_is_not_utf8_is_read_and_named_as_backslashreplace_shows_it(tmp_path):
+    """b'caf\\xe9.jsonl' reaches Python as 'caf\\udce9.jsonl', which removed.jsonl and report.md cannot hold."""
+    import os
+
+    (tmp_path / "d").mkdir()
+    _write(tmp_path / "d" / os.fsdecode(b"caf\xe9.jsonl"), [*GOOD, "not json", GOOD[0]])
+    manifest = prepare_chat(str(tmp_path / "d"), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["removed"] == {"bad rows (not JSON)": 1, "exact duplicate": 1}
+    named = f"{tmp_path / 'd'}/caf\\xe9.jsonl"
+    removed = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_bytes().decode().splitlines()]
+    assert [(r["document"], r.get("kept")) for r in removed] == [(f"{named}:5", None), (f"{named}:6", f"{named}:1")]
+    assert f"- {named}:5: not JSON" in (tmp_path / "out" / "report.md").read_bytes().decode()

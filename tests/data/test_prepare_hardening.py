@@ -134,3 +134,25 @@ def test_odd_file_names_keep_report_md_tables_whole():
         widths = {len(re.findall(r"(?<!\\)\|", row)) for row in table.splitlines()}
         assert all(row.startswith("|") for row in table.splitlines()) and len(widths) == 1, table
     assert "``a\\|b`c.py``" in text and "`new\\nline.py`" in text and "``` ``x\\|.py ```" in text
+
+
+def test_file_names_that_are_not_utf8_are_read_under_escaped_names(tmp_path):
+    """On Linux a name is bytes: b'caf\\xe9.py' (Latin-1) reaches Python as 'caf\\udce9.py', which no UTF-8 file
+    holds; removed.jsonl, report.md and manifest.json name it as backslashreplace shows it."""
+    import os
+
+    src, out = _code(tmp_path), tmp_path / "out"
+    kept, copy = src / os.fsdecode(b"caf\xe9.py"), src / os.fsdecode(b"dup\xff.py")
+    kept.write_text("def f(x):\n    return x + 1\n" * 20)
+    copy.write_text(kept.read_text())
+    (src / os.fsdecode(b"bin\xfe.py")).write_bytes(b"\x00\x01" * 100)
+    manifest = prepare(PrepareSettings.from_flags(str(src), val_fraction=0), out, workers=1)
+    assert manifest["splits"]["train"]["docs"] == 2
+    texts = {name: (out / name).read_bytes().decode() for name in ("removed.jsonl", "report.md", "manifest.json")}
+    removed = [json.loads(line) for line in texts["removed.jsonl"].splitlines()]
+    assert {(r["document"], r["stage"], r.get("kept")) for r in removed} == {
+        ("dup\\xff.py", "exact duplicates", "caf\\xe9.py"),
+        ("bin\\xfe.py", "binary skipped", None),
+    }
+    assert "`dup\\xff.py` | `caf\\xe9.py`" in texts["report.md"]
+    assert "\\ud" not in texts["manifest.json"]  # no lone surrogate written as a JSON escape either

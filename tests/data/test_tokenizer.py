@@ -50,6 +50,16 @@ def test_unknown_or_bad_tokenizer(tmp_path):
         load_tokenizer("bad.json", tmp_path)
 
 
+def test_a_tokenizer_file_in_a_folder_whose_name_is_not_utf8_loads(tmp_path):
+    """`tokenizers` opens UTF-8 paths only; Python reads the byte 0xfe of a name as a lone surrogate."""
+    import os
+
+    folder = tmp_path / os.fsdecode(b"b\xfe")
+    folder.mkdir()
+    trained = train_bpe(["x = 1\n"] * 9, 300, folder / "tokenizer.json")
+    assert load_tokenizer("tokenizer.json", folder).encode("x = 1") == trained.encode("x = 1")
+
+
 def test_data_made_with_another_tokenizer_is_refused(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -100,6 +100,27 @@ def test_serve_path_is_a_run_a_checkpoint_or_a_folder_of_runs_and_nothing_outsid
         assert list(find_sources(check_root(tmp_path))) == ["inside"]  # the link leads beyond PATH
 
 
+def test_a_run_folder_whose_name_is_not_utf8_is_listed_and_served_under_its_escaped_name(runs_dir, tmp_path):
+    """Python reads the byte 0xe9 of b'caf\\xe9' as a lone surrogate, which no JSON response can encode: listing
+    every run failed with a 500."""
+    import os
+
+    from gptforge.serve.app import build_app
+
+    older = shutil.ignore_patterns("step_000004")  # one checkpoint each: less to copy
+    shutil.copytree(runs_dir / "alpha", tmp_path / os.fsdecode(b"caf\xe9"), ignore=older)
+    shutil.copytree(runs_dir / "beta", tmp_path / "beta", ignore=older)
+    client = testclient.TestClient(build_app(tmp_path))
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["beta", "caf\\xe9"]
+    assert [r["id"] for r in client.get("/api/runs").json()["runs"]] == ["beta", "caf\\xe9"]
+    assert client.get("/api/runs/caf%5Cxe9/metrics").json()["version"] is not None
+    answer = client.post("/v1/completions", json={"model": "caf\\xe9", "prompt": "def", "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["model"] == "caf\\xe9"
+    shutil.copytree(tmp_path / "beta", tmp_path / "caf\\xe9")  # the same name, in its own right
+    with pytest.warns(UserWarning, match=r"caf\udce9: not served, as another run is served as caf\\xe9$"):
+        assert list(find_sources(check_root(tmp_path))) == ["beta", "caf\\xe9"]
+
+
 @pytest.mark.parametrize("key", ["", "   ", " KEY", "KEY\n", "clé"])
 def test_an_empty_or_unsendable_api_key_is_refused_in_one_line(runs_dir, capsys, monkeypatch, key):
     """An empty key served everyone without a word; spaces at either end or a non-ASCII character started a server

@@ -260,6 +260,22 @@ def test_weights_that_do_not_fit_their_config_name_the_tensors_in_eval_and_init_
         train(tiny(data_dir, "train.max_steps=1", f"train.init_from={ckpt}"), tmp_path / "run")
 
 
+def test_init_from_a_path_that_is_not_utf8_trains_and_resumes(saved_run, data_dir, tmp_path):
+    """safetensors opens UTF-8 paths only, and TOML holds no lone surrogate (how Python reads the byte 0xe9)."""
+    import os
+
+    import tomllib
+
+    ckpt = tmp_path / os.fsdecode(b"caf\xe9") / "step_000004"
+    shutil.copytree(saved_run / "checkpoints" / "step_000004", ckpt)
+    run = tmp_path / "run"
+    train(tiny(data_dir, "train.max_steps=1", f"train.init_from={ckpt}"), run)
+    saved = tomllib.loads((run / CONFIG).read_text(encoding="utf-8"))
+    assert saved["train"]["init_from"] == f"{tmp_path}/caf\\xe9/step_000004"
+    train(tiny(data_dir, "train.max_steps=2", f"train.init_from={ckpt}"), run, resume="auto")  # meta.json's own
+    assert latest_checkpoint(run).name == "step_000002"
+
+
 def test_an_existing_run_is_never_overwritten(saved_run, data_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)

@@ -38,6 +38,7 @@ from gptforge.config import Config, config_from_dict, lora_spec
 from gptforge.data.chat.template import model_tokenizer
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
+from gptforge.inputs import utf8_path
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import apply_lora, merge_lora
 from gptforge.runtime.device import resolve_device, resolve_dtype
@@ -207,7 +208,7 @@ def _saved_shapes(ckpt: Path) -> dict[str, list[int]] | None:
     if sharded(ckpt):
         return shard_shapes(ckpt / SHARDS)
     try:
-        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        with utf8_path(ckpt / "model.safetensors") as file, safe_open(file, framework="pt") as f:
             return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 - not a dict
     except (SafetensorError, OSError):
         return None
@@ -252,7 +253,8 @@ def _load_weights(model: GPT, ckpt: Path, device: torch.device | str) -> None:
         if sharded(ckpt):
             load_shard_weights(model, source)
         else:
-            load_model(model, str(source), device=str(device))
+            with utf8_path(source) as file:
+                load_model(model, file, device=str(device))
     except (RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:  # damaged: its first informative line
         raise GptforgeError(f"{source}: does not fit the model ({first_detail(e)})") from None
 

@@ -32,7 +32,7 @@ from gptforge.config.sections import (
     TrainConfig,
 )
 from gptforge.errors import GptforgeError
-from gptforge.inputs import read_text
+from gptforge.inputs import printable, read_text
 from gptforge.model.gpt import MODEL_PRESETS, GPTConfig
 from gptforge.model.lora import LoRASpec
 
@@ -168,11 +168,20 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section_name, values in to_dict(cfg).items():
         lines.append(f"[{section_name}]")
-        for key, value in values.items():
-            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
-            lines.append(f"{key} = {text}")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    # TOML holds Unicode only: a path's bytes that are not UTF-8 (lone surrogates) are written as '\\xe9'.
+    if isinstance(value, str):
+        value = printable(value)
+    elif isinstance(value, list):
+        value = [printable(v) if isinstance(v, str) else v for v in value]
+    return json.dumps(value)
 
 
 def describe() -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write
+from gptforge.inputs import utf8_path
 
 EOT_TEXT = "<|endoftext|>"
 # A trained BPE: the 256 bytes and EOT, up to 2**20 = 1,048,576 tokens (8x the largest real vocabularies; the
@@ -92,7 +93,8 @@ class BPETokenizer(Tokenizer):
 
         self.name, self.path = path.name, path
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            with utf8_path(path) as name:
+                self._tok = HFTokenizer.from_file(name)
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise GptforgeError(f"{path}: not a tokenizer file ({e})") from None
         self._tok.encode_special_tokens = True  # '<|endoftext|>' in text is text

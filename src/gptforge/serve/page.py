@@ -14,7 +14,7 @@ from starlette.staticfiles import StaticFiles
 from gptforge.checkpoint import META, read_meta, step_of
 from gptforge.config import config_from_dict, to_toml
 from gptforge.errors import GptforgeError
-from gptforge.inputs import read_jsonl, read_text
+from gptforge.inputs import printable, read_jsonl, read_text
 from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics, val_sources
 from gptforge.serve.api import error_response
 from gptforge.serve.protocol import ApiError
@@ -47,7 +47,7 @@ def routes(root: Path) -> list:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     def runs(request: Request) -> Response:
-        return JSONResponse({"root": root.name, "runs": [_describe(s) for s in find_sources(root).values()]})
+        return JSONResponse({"root": printable(root.name), "runs": [_describe(s) for s in find_sources(root).values()]})
 
     def metrics(request: Request) -> Response:
         run = source(request)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gptforge.checkpoint import META, checkpoint_problem, checkpoints
 from gptforge.errors import GptforgeError
+from gptforge.inputs import printable
 from gptforge.rundir import CONFIG, METRICS
 
 VERDICTS_KEPT = 256  # checkpoints whose verdict is remembered (training adds one per save; pruned ones are dropped)
@@ -145,23 +146,27 @@ def is_run(root: Path, folder: Path) -> bool:
 
 
 def find_sources(root: Path) -> dict[str, Source]:
-    """The runs (or the checkpoint) at `root`, by name: root itself, else its sub-folders that are runs, sorted.
-    A sub-folder that is a link leading outside root is left out."""
+    """The runs (or the checkpoint) at `root`, by printable name: root itself, else its sub-folders that are runs,
+    sorted. A sub-folder that is a link leading outside root is left out."""
     gone = f"{root}: the served folder is gone (deleted or renamed while serving); it is served again once it is back"
     if not root.is_dir():
         raise FolderGone(gone)
-    meta = inside(root, root / META)
+    meta, name = inside(root, root / META), printable(root.name)
     if meta is not None and meta.is_file():
-        return {root.name: Source(root.name, root, root, is_checkpoint=True)}
+        return {name: Source(name, root, root, is_checkpoint=True)}
     if is_run(root, root):
-        return {root.name: Source(root.name, root, root)}
+        return {name: Source(name, root, root)}
     try:
         children = sorted(p for p in root.iterdir() if p.is_dir())
     except OSError:  # deleted between the two calls
         raise FolderGone(gone) from None
     found = {}
     for child in children:
-        real = inside(root, child)
-        if real is not None and is_run(root, real):
-            found[child.name] = Source(child.name, real, root)
+        real, name = inside(root, child), printable(child.name)  # JSON holds no byte that is not UTF-8: '\\xe9'
+        if real is None or not is_run(root, real):
+            continue
+        if name in found:  # b'caf\\xe9' beside a folder named 'caf\\xe9'
+            warnings.warn(f"{child}: not served, as another run is served as {name}", stacklevel=2)
+            continue
+        found[name] = Source(name, real, root)
     return found

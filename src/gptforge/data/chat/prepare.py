@@ -39,7 +39,7 @@ from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, check_output_dir, locked
-from gptforge.inputs import open_text, parse_json, reading
+from gptforge.inputs import open_text, parse_json, printable, reading
 
 SHOWN_BAD_ROWS = 20
 
@@ -134,7 +134,7 @@ def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[
                 if not line.strip():
                     continue
                 counts.rows += 1
-                where = f"{path}:{lineno}"
+                where = f"{printable(path)}:{lineno}"  # named in report.md and removed.jsonl: UTF-8 only
                 try:
                     row = parse_json(line)
                     messages = conversation_from_row(row)
