@@ -344,3 +344,20 @@ def test_out_dot_writes_into_the_current_folder_as_into_any_empty_one(tmp_path, 
     assert main(["demo", "--chat", "--data", ".", "--base", str(run), "--out", str(tmp_path / "chat")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("gptforge demo: error: --data .: no tokenizer.json") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "row, found",
+    [
+        ("[1, 2]", "found a JSON array"),  # said Python's 'list indices must be integers or slices, not str'
+        ('"x"', "found a JSON string"),
+        ('{"messages": "oops"}', "found an object without it (its keys: 'messages'); conversations? use --chat"),
+    ],
+)
+def test_a_jsonl_row_that_is_not_a_text_object_says_what_it_found(tmp_path, capsys, row, found):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(row + "\n" + json.dumps({"text": "fine"}) + "\n")
+    assert main(["prepare", str(rows), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"gptforge prepare: error: {rows}:1: expected a JSON object with a string field 'text', {found}\n"
+    assert not (tmp_path / "out").exists()

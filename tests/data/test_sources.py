@@ -100,7 +100,7 @@ def test_presets_name_the_public_datasets():
         (
             "chat.jsonl",
             b'{"messages": []}\n',
-            r"chat\.jsonl:1: expected .* field 'text' .*\(conversations\? use --chat\)",
+            r"chat\.jsonl:1: expected .* field 'text', found an object without it .*; conversations\? use --chat",
         ),
     ],
 )

@@ -163,9 +163,23 @@ def test_the_prompt_is_the_templates_with_the_replys_opening_and_a_reply_ends_at
 
 def test_a_chat_request_without_max_tokens_may_run_to_the_servers_limit():
     """OpenAI's chat default is the model's room, not the completions route's 16 (capped at --max-tokens)."""
-    from gptforge.serve.protocol import Limits, parse_chat, parse_completion
+    from gptforge.serve.protocol import ApiError, Limits, parse_chat, parse_completion
 
     body = {"model": "chat", "messages": ASK}
     assert parse_chat(body, Limits(max_tokens=77)).max_tokens == 77
     assert parse_chat({**body, "max_completion_tokens": 5, "max_tokens": 9}, Limits(max_tokens=77)).max_tokens == 5
     assert parse_completion({"model": "chat", "prompt": "x"}, Limits(max_tokens=77)).max_tokens == 16
+    for bad in ({"max_completion_tokens": 5, "max_tokens": -3}, {"max_completion_tokens": 0, "max_tokens": 5}):
+        with pytest.raises(ApiError) as e:  # a bad max_tokens beside max_completion_tokens was ignored
+            parse_chat({**body, **bad}, Limits(max_tokens=77))
+        assert e.value.param == next(k for k, v in bad.items() if v < 1)
+
+
+def test_a_tool_call_or_a_tool_message_says_tools_are_not_supported():
+    """An assistant's tool-call message was refused as 'content: expected a string'."""
+    from gptforge.data.chat.template import ConversationError, parse_messages
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for message in ({"role": "assistant", "content": None, "tool_calls": calls}, {"role": "tool", "content": "1"}):
+        with pytest.raises(ConversationError, match=r"^messages\[1\]: tool calls are not supported"):
+            parse_messages([{"role": "user", "content": "hi"}, message])

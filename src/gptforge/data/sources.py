@@ -18,7 +18,7 @@ from pathlib import Path
 from gptforge.data.languages import CONTAINERS, DEFAULT_EXTENSIONS, decode, is_binary, selects
 from gptforge.data.shards import MANIFEST, PROGRESS
 from gptforge.errors import GptforgeError
-from gptforge.inputs import format_suffix, read_jsonl, read_text, reading
+from gptforge.inputs import format_suffix, printable, read_jsonl, read_text, reading
 
 # Files that mark a folder written by `datasets`' save_to_disk (a Dataset's, a DatasetDict's).
 SAVED_DATASET = ("state.json", "dataset_dict.json", "dataset_info.json")
@@ -118,8 +118,8 @@ def local_paths(source: str) -> list[Path]:
 
 
 def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list[tuple[Path, str]]:
-    """(path, stable name) of the files a path, folder or glob names, sorted; a file reached twice (through
-    symlinks) is read once. Neither form descends into symlinked folders, so a symlink loop ends."""
+    """(path, stable printable name) of the files a path, folder or glob names, sorted; a file reached twice
+    (through symlinks) is read once. Neither form descends into symlinked folders, so a symlink loop ends."""
     root = Path(source)
     if glob.has_magic(source):
         named = [(p, p.as_posix()) for p in _glob(source)]
@@ -142,7 +142,7 @@ def _files(source: str, extensions: frozenset[str] = DEFAULT_EXTENSIONS) -> list
         read = container or selects(path.name, extensions)
         if read and path.is_file() and path.resolve() not in seen:
             seen.add(path.resolve())
-            files.append((path, name))
+            files.append((path, printable(name)))  # a name reaches report.md and removed.jsonl: UTF-8 only
     if not files:
         raise GptforgeError(_nothing_to_read(source, [p for p, _ in named if p.is_file()]))
     return files
@@ -212,13 +212,20 @@ def _file_documents(
         yield name, text
 
 
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _json_text(record, text_field: str, where: str) -> str:
-    try:
-        text = record[text_field]
-    except (KeyError, TypeError) as e:
+    if not isinstance(record, dict) or text_field not in record:
+        found = (
+            f"an object without it (its keys: {', '.join(map(repr, list(record)[:5]))})"
+            if isinstance(record, dict)
+            else f"a JSON {_JSON_KINDS.get(type(record), type(record).__name__)}"
+        )
         chat = isinstance(record, dict) and ("messages" in record or "instruction" in record)
-        hint = " (conversations? use --chat)" if chat else ""
-        raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r} ({e}){hint}") from None
+        hint = "; conversations? use --chat" if chat else ""
+        raise GptforgeError(f"{where}: expected a JSON object with a string field {text_field!r}, found {found}{hint}")
+    text = record[text_field]
     if text is None:  # as parquet and hf: read a null: an empty document, counted in the report
         return ""
     if not isinstance(text, str):

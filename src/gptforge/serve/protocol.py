@@ -199,12 +199,14 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
         messages = parse_messages(body["messages"])
     except ConversationError as e:
         raise ApiError(400, str(e), e.param, "invalid_value") from None
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    # each checked; the newer name wins where both are given
+    max_tokens = _number(body, "max_tokens", limits.max_tokens, 1, limits.max_tokens, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, limits.max_tokens, integer=True)
     return CompletionRequest(
         model=body["model"],
         prompts=[""],
         messages=messages,
-        max_tokens=_number(body, limit, limits.max_tokens, 1, limits.max_tokens, integer=True),
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0, 2),
         top_p=_number(body, "top_p", None, 1e-9, 1),
         n=_number(body, "n", 1, 1, limits.max_n, integer=True),

@@ -109,6 +109,8 @@ def parse_messages(messages: object, where: str = "messages") -> list[Message]:
         if not isinstance(message, dict):
             raise ConversationError(f"{field}: expected an object with 'role' and 'content'", field)
         role, content = message.get("role"), _joined(message.get("content"))
+        if role == "tool" or message.get("tool_calls") or message.get("function_call"):
+            raise ConversationError(f"{field}: tool calls are not supported (these models have no tools)", field)
         role = SAME_AS.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise ConversationError(f"{field}.role: {role!r} is not one of {', '.join(ROLES)}", f"{field}.role")
