@@ -3,6 +3,7 @@ the environment its own lines make: `gptforge` found on PATH as activation puts 
 line installs importable (every other optional library made unimportable, as tests/test_demo.py does for `make demo`).
 """
 
+import glob
 import importlib.metadata
 import json
 import os
@@ -40,12 +41,18 @@ for args in json.loads(sys.argv[3]):
 """
 
 
-def walkthrough() -> list[tuple[list[str], bool]]:
-    """The section's commands, comments removed, each with whether it runs in the background (a trailing &)."""
-    section = README.read_text().split("## Train on your own corpus", 1)[1]
+def walkthrough(heading: str = "## Train on your own corpus") -> list[tuple[list[str], bool]]:
+    """The section's commands, comments removed, each with whether it runs in the background (a trailing &); a
+    word with a '*' is expanded as the shell would (in the current folder)."""
+    section = README.read_text().split(heading, 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     lines = [line.split("  #")[0].strip() for line in block.splitlines()]
-    return [(shlex.split(line.removesuffix("&")), line.endswith("&")) for line in lines if line]
+    expand = lambda word: sorted(glob.glob(word)) or [word] if "*" in word else [word]  # noqa: E731
+    commands = [shlex.split(line.removesuffix("&")) for line in lines if line]
+    return [
+        ([w for word in c for w in expand(word)], line.endswith("&"))
+        for c, line in zip(commands, [x for x in lines if x], strict=True)
+    ]
 
 
 def installed(extras: set[str]) -> set[str]:
@@ -109,8 +116,10 @@ def finished(process: subprocess.Popen) -> str:
 def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch):
     pytest.importorskip("uvicorn")
     monkeypatch.chdir(tmp_path)
-    write_corpus(Path("my_corpus"), 500)  # 1% held out: 5 files, enough for a validation batch
+    # where the README's corpus is in a checkout's .venv (1% held out: 5 files, enough for a validation batch)
+    corpus = write_corpus(Path(f".venv/lib/python3.{sys.version_info.minor}/site-packages/pip/_internal"), 500)
     lines = walkthrough()
+    assert lines[2][0][2] == str(corpus)  # the shell's expansion of its python3.* finds it
     assert [(c[:2], background) for c, background in lines[2:]] == [
         (["gptforge", name], name == "serve")
         for name in ("prepare", "train", "serve", "sample", "eval", "export", "export")
@@ -137,3 +146,17 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch):
     assert "def parse_args(" in printed and "removed:" in printed and "val" in printed
     assert (tmp_path / "data/mine/report.md").is_file() and (tmp_path / "hf/mine/config.json").is_file()
     assert (tmp_path / "mine.gguf").read_bytes()[:4] == b"GGUF"
+
+    # the chat section: its conversations are what `demo --chat` writes, here from the same small corpus
+    from gptforge.data.chat.instructions import conversation_rows
+    from gptforge.files import to_json
+
+    documents = ((p.name, p.read_text()) for p in sorted(corpus.glob("*.py")))
+    rows = "".join(to_json(row) + "\n" for row in conversation_rows(documents, 0.2))
+    (tmp_path / "data/stdlib-chat.jsonl").write_text(rows)
+    chat = walkthrough("## From a base model to a chat model")
+    assert [c[:2] for c, _ in chat] == [["gptforge", name] for name in ("demo", "prepare", "train", "chat", "export")]
+    (demo, _), (prepare, _), (train, _), (talk, _), (export, _) = chat  # demo trains on the stdlib; chat waits
+    train += [a for kv in TINY if not kv.startswith("model.") for a in ("--set", kv)]  # the base's model
+    printed = finished(run_in(env, blocked, [prepare, train, export], **pipes))
+    assert "training conversations" in printed and (tmp_path / "hf/chat/tokenizer.json").is_file()

@@ -180,6 +180,9 @@ def test_a_tool_call_or_a_tool_message_says_tools_are_not_supported():
     from gptforge.data.chat.template import ConversationError, parse_messages
 
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    for message in ({"role": "assistant", "content": None, "tool_calls": calls}, {"role": "tool", "content": "1"}):
-        with pytest.raises(ConversationError, match=r"^messages\[1\]: tool calls are not supported"):
+    for message, field in (
+        ({"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"),
+        ({"role": "tool", "content": "1"}, "role"),
+    ):
+        with pytest.raises(ConversationError, match=rf"^messages\[1\]\.{field}: tool calls are not supported"):
             parse_messages([{"role": "user", "content": "hi"}, message])

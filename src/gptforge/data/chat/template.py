@@ -22,6 +22,7 @@ from gptforge.errors import GptforgeError
 CHAT_TEXTS = ("<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
 SAME_AS = {"developer": "system"}  # OpenAI's newer name for the instructions (its SDK sends it for newer models)
+TOOL_KEYS = ("tool_calls", "function_call")  # an assistant's call of a tool, in OpenAI's newer and older form
 TEMPLATE_NAME = "chatml"
 # Exported templates mark every '<|' of a message's content with a noncharacter (Unicode keeps them for a program's
 # own use), and the exported tokenizer's normalizer removes the marks: the content's special-token text stays
@@ -109,8 +110,9 @@ def parse_messages(messages: object, where: str = "messages") -> list[Message]:
         if not isinstance(message, dict):
             raise ConversationError(f"{field}: expected an object with 'role' and 'content'", field)
         role, content = message.get("role"), _joined(message.get("content"))
-        if role == "tool" or message.get("tool_calls") or message.get("function_call"):
-            raise ConversationError(f"{field}: tool calls are not supported (these models have no tools)", field)
+        tools = f"{field}.role" if role == "tool" else next((f"{field}.{k}" for k in TOOL_KEYS if message.get(k)), None)
+        if tools:
+            raise ConversationError(f"{tools}: tool calls are not supported (these models have no tools)", tools)
         role = SAME_AS.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise ConversationError(f"{field}.role: {role!r} is not one of {', '.join(ROLES)}", f"{field}.role")
