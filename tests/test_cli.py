@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gptforge.cli import main
+from gptforge.demo import next_commands
 from gptforge.errors import GptforgeError
 
 
@@ -26,7 +27,13 @@ def test_pipeline_end_to_end(corpus_dir, tmp_path, capsys):
     args = ["train", "--config", "tiny", "--data", str(data), "--out", str(run), "--set", "train.max_steps=4"]
     assert main(args) == 0
     assert (run / "checkpoints" / "step_000004" / "model.safetensors").is_file()
-    capsys.readouterr()
+    # as the demo's: the curves, a summary and what goes on from the run (a plain train ended without them)
+    printed = capsys.readouterr().out
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["checkpoint"] == str(run / "checkpoints" / "step_000004")
+    assert summary["after"]["loss"] == json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    assert printed.rstrip().endswith("\n".join(next_commands(run, data)))
     hellaswag = tmp_path / "hellaswag.jsonl"
     hellaswag.write_text(json.dumps({"ctx": "def add", "endings": ["(a, b):", "x", "y", "z"], "label": 0}) + "\n")
     args = [

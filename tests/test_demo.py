@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def test_demo_prepares_trains_reports_and_plots(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = proc.stdout
     assert "before" in printed and "after" in printed and "def fibonacci(n):" in printed
+    # prepare's summary: the splits' counts, what each stage removed, where the report is (it printed two lines)
+    assert re.search(r"^train: [\d,]+ documents, [\d,]+ tokens", printed, re.M), printed[:2000]
+    assert f"documents met (see {data / 'report.md'})" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["after"]["loss"] < summary["before"]["loss"] - 1.0
     assert summary["after"]["ppl"] < summary["before"]["ppl"]

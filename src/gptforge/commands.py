@@ -98,7 +98,8 @@ def _prepare_chat(args: argparse.Namespace, dedup) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from gptforge.checkpoint import latest_checkpoint
     from gptforge.config import describe, load_config
-    from gptforge.runtime.distributed import elastic_resume, elastic_warning, launcher_overrides
+    from gptforge.demo import wrap_up
+    from gptforge.runtime.distributed import elastic_resume, elastic_warning, launch_env, launcher_overrides
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.setup import check_init_overrides
     from gptforge.train.trainer import train
@@ -116,7 +117,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config or "demo-cpu", overrides)
     check_init_overrides(cfg, overrides)
-    train(cfg, args.out, resume=resume)
+    result = train(cfg, args.out, resume=resume)
+    if launch_env(os.environ).is_main:  # one process draws and says what next
+        print(wrap_up(result, Path(args.out), Path(result.config.data.path or "DATA_DIR")))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.chat.template import Message, format_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.data.outdir import TOKENIZER_FILE
-from gptforge.data.prepare import prepare
+from gptforge.data.prepare import prepare, summarize
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
@@ -34,7 +34,7 @@ from gptforge.files import (
 from gptforge.model.generate import generate
 from gptforge.report.plot import plot_runs
 from gptforge.train.setup import check_model_overrides, model_overrides
-from gptforge.train.trainer import train
+from gptforge.train.trainer import TrainResult, train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
 VAL_FRACTION = 0.02
@@ -63,7 +63,8 @@ def run_demo(
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir], is_run=True)  # --force replaces the demo's run
     stdlib = PrepareSettings.from_flags("stdlib", val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
-    prepare(stdlib, data_dir)  # reused when unchanged
+    manifest = prepare(stdlib, data_dir)  # reused when unchanged
+    print(summarize(manifest, data_dir).replace("(see report.md)", f"(see {data_dir / 'report.md'})"), flush=True)
     with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
@@ -109,6 +110,18 @@ def run_demo(
     print(f"wrote {checkpoint}, {out_dir / 'metrics.jsonl'}, {plot}, {out_dir / 'summary.json'}")
     print("\n=== what next ===\n" + "\n".join(next_commands(out_dir, data_dir)))
     return summary
+
+
+def wrap_up(result: TrainResult, run_dir: Path, data_dir: Path) -> str:
+    """What a finished `gptforge train` leaves beside its checkpoints, as the demo does: loss.png and summary.json,
+    and the commands that go on from it."""
+    plot = plot_runs([run_dir]).path
+    checkpoint = run_dir / result.checkpoint.relative_to(result.run_dir)
+    summary = {"before": result.first_val, "after": result.last_val, "steps": result.steps, "tokens": result.tokens}
+    summary.update(seconds=round(result.seconds, 1), checkpoint=str(checkpoint), plot=str(plot))
+    write_json(run_dir / "summary.json", summary)
+    lines = [f"wrote {plot}, {run_dir / 'summary.json'}", "", "=== what next ===", *next_commands(run_dir, data_dir)]
+    return "\n".join(lines)
 
 
 def next_commands(out_dir: Path, data_dir: Path) -> list[str]:
