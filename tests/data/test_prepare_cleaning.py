@@ -350,3 +350,26 @@ def test_a_copy_of_a_contaminated_document_never_names_it_as_the_one_kept(tmp_pa
     assert not named & removed, rows  # each removal names a document that was kept
     if dedup == "near":
         assert {r["document"]: r["kept"] for r in rows if "kept" in r} == {"doc04.txt": "doc03.txt"}
+
+
+def test_a_classifier_that_keeps_almost_nothing_is_said_loudly_with_thresholds_that_would_keep_more():
+    """`--quality REF` with the Pareto rule kept 7 of 717 documents (no validation split) and exited 0 unremarked."""
+    from gptforge.data.prepare import summarize
+    from gptforge.data.report import STAGES
+
+    stages = {s: {"docs": 0, "bytes": 0} for s in STAGES}
+    stages["read"]["docs"], stages["quality"]["docs"], stages["kept"]["docs"] = 717, 710, 7
+    deciles = [0.01, 0.02, 0.05, 0.08, 0.1, 0.12, 0.2, 0.3, 0.4, 0.6, 0.95]
+    manifest = {
+        "splits": {"train": {"docs": 7, "tokens": 900, "bytes": 3000}},
+        "settings": {"val_fraction": 0},
+        "shards": [{}],
+        "report": {"stages": stages, "quality": {"count": 717, "deciles": deciles}},
+    }
+    text = summarize(manifest, "out")
+    assert (
+        "warning: the quality classifier kept 7 of the 717 documents it scored (1.0%): --quality-threshold 0.120 "
+        "would keep about half of them, 0.020 about 90%"
+    ) in text
+    stages["quality"]["docs"], stages["kept"]["docs"] = 640, 77  # 10.7% kept: no warning
+    assert "warning" not in summarize(manifest, "out")

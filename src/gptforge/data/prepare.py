@@ -376,6 +376,23 @@ def _local_outcomes(
         yield from pool.imap(pipeline.encode, pipeline.batched(jobs))
 
 
+FEW_KEPT = 0.1  # a classifier keeping less than this share of what it scored is said loudly
+
+
+def _few_kept_by_quality(report: dict[str, Any], stages: dict[str, Any]) -> list[str]:
+    """A warning when the quality classifier kept almost nothing, with the thresholds its score deciles give."""
+    scored = report.get("quality", {}).get("count", 0)
+    kept = scored - stages["quality"]["docs"]
+    if not scored or kept >= FEW_KEPT * scored:
+        return []
+    deciles = report["quality"]["deciles"]
+    return [
+        f"warning: the quality classifier kept {kept:,} of the {scored:,} documents it scored ({kept / scored:.1%}): "
+        f"--quality-threshold {deciles[5]:.3f} would keep about half of them, {deciles[1]:.3f} about 90% "
+        "(the scores' deciles; report.md shows each tenth's documents)"
+    ]
+
+
 def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
     """What `gptforge prepare` wrote, a line per split, and what each stage removed (a folder from before the report
     has no such line)."""
@@ -396,5 +413,6 @@ def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
         # Skipped files never become documents read: "met" counts them too, so kept + removed = met.
         met = sum(c["docs"] for stage, c in stages.items() if stage == "read" or "skipped" in stage)
         lines.append(f"removed: {', '.join(removed) or 'nothing'} of {met:,} documents met (see report.md)")
+        lines += _few_kept_by_quality(manifest["report"], stages)
     # Not "wrote": a folder already prepared was only read.
     return "\n".join([*lines, one_line(f"{out_dir}: {len(manifest['shards'])} shard(s) and manifest.json")])
