@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +369,18 @@ def test_a_jsonl_row_that_is_not_a_text_object_says_what_it_found(tmp_path, caps
     err = capsys.readouterr().err
     assert err == f"gptforge prepare: error: {rows}:1: expected a JSON object with a string field 'text', {found}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_counts_its_parameters_alike_in_both_header_lines(tmp_path, data_dir, capsys):
+    """The header said '5,377,280 parameters', then '131,072 trainable of 5,393,152' (padding rows counted)."""
+    tiny = ["--config", "tiny", "--data", str(data_dir), "--set", "train.max_steps=1"]
+    assert main(["train", *tiny, "--out", str(tmp_path / "base")]) == 0
+    capsys.readouterr()
+    lora = ["--set", f"train.init_from={tmp_path / 'base'}", "--set", "train.lora_rank=2"]
+    assert main(["train", *tiny, "--out", str(tmp_path / "lora"), *lora]) == 0
+    out = capsys.readouterr().out
+    model = int(re.search(r"^model: ([\d,]+) parameters", out, re.M)[1].replace(",", ""))
+    trainable, total = (
+        int(n.replace(",", "")) for n in re.search(r"([\d,]+) trainable parameters of ([\d,]+)", out).groups()
+    )
+    assert total == model and 0 < trainable < total

@@ -96,7 +96,7 @@ def adapt(model: GPT, cfg: Config) -> str | None:
     check_rank(model, spec)
     names = apply_lora(model, spec)  # train.lora_targets names layers every GPT has (checked at load)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = model.num_params()  # as the header counts them: the real vocabulary's rows, the adapters included
     return (
         f"LoRA: rank {spec.rank} (alpha {spec.alpha:g}) on {len(names)} layers; {trainable:,} trainable parameters "
         f"of {total:,} ({trainable / total:.2%}), the rest frozen"
