@@ -384,3 +384,19 @@ def test_a_lora_run_counts_its_parameters_alike_in_both_header_lines(tmp_path, d
         int(n.replace(",", "")) for n in re.search(r"([\d,]+) trainable parameters of ([\d,]+)", out).groups()
     )
     assert total == model and 0 < trainable < total
+
+
+def test_a_chat_run_says_its_evaluation_scores_the_replies_alone(tmp_path, data_dir, capsys):
+    """It announced 512 validation tokens and then scored 99 without a word on why."""
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"{i}"}) + "\n" for i in range(30)))
+    assert main(["prepare", str(rows), "--out", str(tmp_path / "chats"), "--val-fraction", "0.3"]) == 0
+    tiny = ["--config", "tiny", "--set", "train.max_steps=1"]
+    assert main(["train", *tiny, "--data", str(data_dir), "--out", str(tmp_path / "base")]) == 0
+    capsys.readouterr()
+    chat = ["--data", str(tmp_path / "chats"), "--set", f"train.init_from={tmp_path / 'base'}"]
+    assert main(["train", *tiny, *chat, "--out", str(tmp_path / "chat")]) == 0
+    out = capsys.readouterr().out
+    announced = int(re.search(r"evaluating: ([\d,]+) validation tokens \(conversations: the loss scores", out)[1])
+    scored = int(re.search(r"val loss .* over ([\d,]+) tokens", out)[1].replace(",", ""))
+    assert 0 < scored < announced

@@ -107,6 +107,8 @@ class Evaluator:
             tokens = sum(evaluated_tokens(loader, cfg.eval.tokens) for loader in self.val_loaders.values())
             extras = f", {len(self.hellaswag):,} HellaSwag examples" if self.hellaswag else ""
             extras += f", code measures (eval.code={cfg.eval.code})" if cfg.eval.code else ""
+            if any(loader.manifest.get("chat") for loader in self.val_loaders.values()):
+                extras = f" (conversations: the loss scores their replies' tokens alone){extras}"
             print0(env, f"step {step:>6} | evaluating: {tokens:,} validation tokens{extras}...")
         with s.whole_model() as model:
             val = self.validate(model)
