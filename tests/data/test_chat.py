@@ -98,3 +98,11 @@ def test_rows_in_openai_or_alpaca_form_and_rows_without_a_reply():
     for row in (no_reply, {"text": "a"}, ["a"], {"instruction": 1, "output": "b"}):
         with pytest.raises(ConversationError):
             conversation_from_row(row)
+
+
+def test_text_parts_are_joined_as_they_are_for_training_and_serving():
+    """Parts joined with a space passed every data test: training rows and served prompts would change."""
+    parts = [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "\n    return a + b"}]
+    row = {"messages": [{"role": "user", "content": "Write add."}, {"role": "assistant", "content": parts}]}
+    assert conversation_from_row(row)[1] == Message("assistant", "def add(a, b):\n    return a + b")
+    assert parse_messages([{"role": "user", "content": parts[:1] * 2}])[0].content == "def add(a, b):def add(a, b):"

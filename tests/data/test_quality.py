@@ -6,6 +6,7 @@ import random
 import string
 import sys
 
+import numpy as np
 import pytest
 
 import gptforge.data.pipeline as pipeline
@@ -106,6 +107,56 @@ def test_the_pareto_rule_keeps_by_score_seeded_per_document():
     assert again == [rule.keeps(0.9, n) for n in names] and again != other_seed
     threshold = Classifier(None, None, QualitySettings("ref", 0.5), seed=0)
     assert threshold.keeps(0.5, "a") and not threshold.keeps(0.4999, "a")
+
+
+def _fitted(monkeypatch):
+    """The scikit-learn models that `Linear.of` is given, in a list filled as they are fitted."""
+    fitted, of = [], quality.Linear.of.__func__
+    monkeypatch.setattr(
+        quality.Linear, "of", classmethod(lambda cls, m, logistic: fitted.append(m) or of(cls, m, logistic))
+    )
+    return fitted
+
+
+def test_scores_are_the_fitted_models_probabilities_intercept_included(monkeypatch):
+    fitted = _fitted(monkeypatch)
+    reference = [_function(1000 + i) for i in range(8)]
+    corpus = [_function(i) for i in range(4)] + [_garbage(i) for i in range(4)]
+    classifier = quality.train(reference, corpus, QualitySettings("ref"), seed=0)
+    scores = classifier.scores(corpus)
+    (model,) = fitted
+    features = classifier.vectorizer.transform(corpus)
+    np.testing.assert_allclose(scores, model.predict_proba(features)[:, 1], rtol=1e-6)
+    by_hand = 1 / (1 + np.exp(-(features @ model.coef_.ravel() + model.intercept_[0])))
+    np.testing.assert_allclose(scores, by_hand, rtol=1e-6)
+    # Recorded: the intercept (about -0.09) moves each of them by 0.004-0.02.
+    recorded = [0.653452, 0.601396, 0.513782, 0.646130, 0.054522, 0.047056, 0.049579, 0.042285]
+    assert scores == pytest.approx(recorded, abs=1e-5)
+
+
+def test_a_regressors_scores_are_its_clipped_predictions_intercept_included(monkeypatch):
+    fitted = _fitted(monkeypatch)
+    texts = [_function(2000 + i) for i in range(6)] + [_garbage(500 + i) for i in range(6)]
+    classifier = quality.train_regressor(texts, [0.9] * 6 + [0.2] * 6, QualitySettings(labels="l"), seed=0)
+    scores = classifier.scores(texts)
+    (model,) = fitted
+    expected = np.clip(model.predict(classifier.vectorizer.transform(texts)), 0, 1)
+    np.testing.assert_allclose(scores, expected, rtol=1e-6)
+    recorded = [0.454412, 0.45461, 0.448161, 0.446003, 0.451982, 0.453164]
+    recorded += [0.040127, 0.03891, 0.036536, 0.034823, 0.035921, 0.037016]
+    assert scores == pytest.approx(recorded, abs=1e-5)
+
+
+def test_a_threshold_keeps_the_documents_scoring_at_least_it(tmp_path):
+    ref, corpus = _folders(tmp_path, n_ref=8, n_real=4, n_junk=4)
+    m = prepare(_settings(corpus, ref, threshold=0.535), tmp_path / "out", workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    removed = {r["document"]: r["score"] for r in rows}
+    junk = {"junk00.py": 0.0561, "junk01.py": 0.0616, "junk02.py": 0.0471, "junk03.py": 0.0529}
+    assert removed == {**junk, "real01.py": 0.5232}
+    kept = {d["document"]: d["score"] for tenth in m["report"]["quality"]["samples"] for d in tenth["kept"]}
+    # Scored without the intercept (about -0.09), real01 would be 0.543 and kept.
+    assert kept == {"real00.py": 0.6311, "real02.py": 0.5474, "real03.py": 0.6194}
 
 
 def test_quality_keeps_the_same_documents_whatever_the_worker_count(tmp_path, monkeypatch):

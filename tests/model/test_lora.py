@@ -53,3 +53,23 @@ def test_a_trained_adapter_changes_the_output_by_its_scaled_update_and_merges_to
     merge_lora(adapted)
     assert not lora_layers(adapted) and not any("lora" in n for n, _ in adapted.named_parameters())
     torch.testing.assert_close(adapted(idx, all_logits=True)[0], before, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_dropout_drops_the_adapters_input_in_training_and_nothing_in_eval(models):
+    _, adapted = models
+    apply_lora(adapted, LoRASpec(rank=4, alpha=8, dropout=0.5, targets=TARGETS))
+    layer = adapted.transformer.h[0].mlp.c_fc.train()
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.5)
+    x = torch.randn(3, 32)
+    plain = x @ layer.weight.T + layer.bias
+    undropped = plain + 2.0 * (x @ layer.lora_A.T @ layer.lora_B.T)  # alpha / r = 2
+    torch.manual_seed(1)
+    trained = layer(x)
+    torch.manual_seed(1)  # the same draws: the mask dropout applied to x, kept entries scaled by 1 / (1 - p)
+    mask = torch.nn.functional.dropout(torch.ones_like(x), p=0.5)
+    assert (mask == 0).any() and (mask == 2).any()
+    # PEFT's B(A(dropout(x))) * scaling: the frozen layer sees all of x, the adapter the dropped-out x
+    torch.testing.assert_close(trained, plain + 2.0 * ((x * mask) @ layer.lora_A.T @ layer.lora_B.T))
+    assert not torch.allclose(trained, undropped, atol=1e-3)
+    torch.testing.assert_close(layer.eval()(x), undropped)

@@ -86,6 +86,20 @@ def test_lora_trains_the_adapters_alone_and_its_state_is_theirs(chat_dir, base, 
     assert not any(".lora_" in n for n in merged.state_dict())
 
 
+def test_lora_dropout_changes_what_the_adapters_learn_and_nothing_else(chat_dir, base, tmp_path):
+    runs = {}
+    for p in (0.0, 0.5):
+        run, settings = tmp_path / f"p{p}", ("train.lora_rank=4", "optim.lr=1e-2", "train.max_steps=3")
+        train(tune(chat_dir, base, *settings, f"train.lora_dropout={p}"), run)
+        runs[p] = (losses(run), load_checkpoint(latest_checkpoint(run), merge=False)[0].state_dict())
+    (plain, plain_w), (dropped, dropped_w) = runs[0.0], runs[0.5]
+    assert plain[1] == dropped[1]  # B starts at zero: the first step's forward is the base's, dropout or not
+    assert plain[2] != dropped[2] and plain[3] != dropped[3]  # the first update saw a dropped-out input
+    adapters = [n for n in plain_w if ".lora_" in n]
+    assert len(adapters) == 16 and not any(torch.equal(plain_w[n], dropped_w[n]) for n in adapters if "lora_B" in n)
+    assert all(torch.equal(plain_w[n], dropped_w[n]) for n in plain_w if ".lora_" not in n)  # the base is frozen
+
+
 def test_new_tokens_past_the_padding_get_fresh_rows_and_a_tied_table_stays_one():
     from gptforge.model.gpt import GPTConfig
     from gptforge.train.finetune import fit_vocabulary
