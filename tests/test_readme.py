@@ -18,3 +18,22 @@ def test_every_test_the_promises_table_names_exists():
         defined |= set(re.findall(r"^def (test_\w+)\(", path.read_text(), re.MULTILINE))
     assert named_tests - defined == set()
     assert {f for f in named_files if not (ROOT / f).is_file()} == set()
+
+
+def test_the_demo_data_figures_are_the_recorded_runs():
+    """README's figures about the demo's data drifted from what a run prints (60 files removed against the report's
+    19 + 51 = 70; "8.5M training tokens, 186K validation" against 8,285,563 and 174,293; 7,241 requests against
+    7,552 rows): they are quoted from one recorded run, `benchmarks/demo_data.py`'s."""
+    import json
+
+    record = json.loads(sorted((ROOT / "benchmarks").glob("demo-data-*.json"))[-1].read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+    assert record["copies"] == record["exact_copies"] + record["near_copies"]
+    quoted = [
+        f"on Python {record['python']}, {record['files']:,} files, {record['megabytes']} MB",
+        f"{record['copies']} files: {record['exact_copies']} exact and {record['near_copies']} near copies, "
+        f"{record['copies_share_of_bytes']:.1%} of the bytes",
+        f"{record['train_tokens']:,} training tokens, {record['val_tokens']:,} validation tokens",
+        f"{record['requests']:,} requests, {record['training_conversations']:,} of them training conversations",
+    ]
+    assert [q for q in quoted if q not in readme] == []
