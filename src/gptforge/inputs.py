@@ -17,10 +17,13 @@ from typing import Any, TextIO
 from gptforge.errors import GptforgeError
 
 
-def open_text(path: str | Path) -> TextIO:
-    """A UTF-8 text file, gunzipped on the fly when it ends in .gz; a leading byte order mark is dropped."""
+def open_text(path: str | Path, errors: str = "strict") -> TextIO:
+    """A UTF-8 text file, gunzipped on the fly when it ends in .gz; a leading byte order mark is dropped. With
+    errors="surrogateescape" a byte that is not UTF-8 reads as a lone surrogate (`not_utf8` names it)."""
     path = Path(path)
-    return gzip.open(path, "rt", encoding="utf-8-sig") if path.suffix == ".gz" else open(path, encoding="utf-8-sig")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors=errors)
+    return open(path, encoding="utf-8-sig", errors=errors)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

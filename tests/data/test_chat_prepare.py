@@ -286,3 +286,20 @@ def test_a_file_whose_name_is_not_utf8_is_read_and_named_as_backslashreplace_sho
     removed = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_bytes().decode().splitlines()]
     assert [(r["document"], r.get("kept")) for r in removed] == [(f"{named}:5", None), (f"{named}:6", f"{named}:1")]
     assert f"- {named}:5: not JSON" in (tmp_path / "out" / "report.md").read_bytes().decode()
+
+
+def test_a_row_that_is_not_utf8_is_a_bad_row_named_by_its_line_and_the_rest_are_read(tmp_path):
+    """One byte that is not UTF-8 in one row aborted the whole prepare, naming no line."""
+    src = tmp_path / "chats.jsonl"
+    good = [json.dumps(row) + "\n" for row in GOOD[:3]]
+    src.write_bytes("".join(good[:2]).encode() + b'{"instruction": "caf\xe9", "output": "x"}\n' + good[2].encode())
+    manifest = prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["splits"]["train"]["docs"] == 3
+    removed = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().splitlines()]
+    assert removed == [
+        {
+            "document": f"{src}:3",
+            "stage": "bad row",
+            "reason": "not valid UTF-8 text (byte 0xe9 at character 21)",
+        }
+    ]

@@ -39,7 +39,7 @@ from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, check_output_dir, locked
-from gptforge.inputs import open_text, parse_json, printable, reading
+from gptforge.inputs import not_utf8, open_text, parse_json, printable, reading
 
 SHOWN_BAD_ROWS = 20
 
@@ -129,12 +129,16 @@ def chat_form(source: str) -> str | None:
 def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[str, list[Message], str | None]]:
     """(where, messages, the row's own split or None) for each usable row; bad rows are counted and named."""
     for path in files:
-        with reading(path), open_text(path) as f:
+        # a byte that is not UTF-8 spoils its row alone: read on, the row named as other bad rows are
+        with reading(path), open_text(path, errors="surrogateescape") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 counts.rows += 1
                 where = f"{printable(path)}:{lineno}"  # named in report.md and removed.jsonl: UTF-8 only
+                if not_utf8(line):
+                    _bad(counts, where, not_utf8(line), "not UTF-8")
+                    continue
                 try:
                     row = parse_json(line)
                     messages = conversation_from_row(row)
