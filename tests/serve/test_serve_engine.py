@@ -125,14 +125,16 @@ def test_a_run_folder_whose_name_is_not_utf8_is_listed_and_served_under_its_esca
 def test_an_empty_or_unsendable_api_key_is_refused_in_one_line(runs_dir, capsys, monkeypatch, key):
     """An empty key served everyone without a word; spaces at either end or a non-ASCII character started a server
     that no client could authenticate to."""
-    with pytest.raises(SystemExit) as stop:
-        main(["serve", str(runs_dir), "--api-key", key])
+    from gptforge.cli.parser import build_parser
+
+    with pytest.raises(SystemExit) as stop:  # the parser alone: a key it let through would start a server
+        build_parser().parse_args(["serve", str(runs_dir), "--api-key", key])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("gptforge serve: error: argument --api-key: "), err
     assert err.count("\n") == 1
     monkeypatch.setenv("GPTFORGE_API_KEY", key)  # the same key from the environment
     with pytest.raises(SystemExit) as stop:
-        main(["serve", str(runs_dir)])
+        build_parser().parse_args(["serve", str(runs_dir)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "GPTFORGE_API_KEY" in err and err.count("\n") == 1, err
 
