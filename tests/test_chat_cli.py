@@ -63,7 +63,7 @@ class SpyFormat:
 
 
 def test_the_oldest_turns_leave_a_full_context_and_an_overlong_message_is_said(chat_ckpt):
-    said, lines = [], iter(["word " * 200, "word " * 30, "short", "/exit"])
+    said, lines = [], iter(["word " * 200, "word " * 30, "word " * 40, "short", "/exit"])
     chat_session(
         str(chat_ckpt),
         ChatSettings(temperature=0.0, max_new_tokens=256),
@@ -78,7 +78,8 @@ def test_the_oldest_turns_leave_a_full_context_and_an_overlong_message_is_said(c
         "(that message takes 40 tokens and 24 of the model's 48 are kept for the reply: say it in fewer words, or "
         "lower --max-new-tokens)"
     )
-    assert len(notes) == 2 and said[-1] == ""  # "short" was answered
+    assert notes[2] == "(that message takes 50 tokens, the model's context 48; say it in fewer words)"
+    assert len(notes) == 3 and said[-1] == ""  # "short" was answered
 
 
 def test_a_base_model_is_refused_in_one_line(tmp_path, capsys):

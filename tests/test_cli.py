@@ -346,6 +346,7 @@ def test_out_dot_writes_into_the_current_folder_as_into_any_empty_one(tmp_path, 
         if name not in ("import", "train"):  # --force replaces its entries; the folder stays the current one
             assert main([*args, "--force"]) == 0 and (tmp_path / name / made).is_file()
             assert Path.cwd() == tmp_path / name and (Path(".") / made).is_file()
+            assert name not in ("chats", "text") or (Path(".") / ".lock").is_file()  # the lock held stays there
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left beside
     (tmp_path / "empty").mkdir()
     monkeypatch.chdir(tmp_path / "empty")
