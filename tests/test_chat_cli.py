@@ -181,14 +181,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_status_141(chat_c
 def test_a_message_that_is_not_utf8_is_asked_again_and_the_conversation_goes_on(chat_ckpt, monkeypatch):
     """A byte that is not UTF-8 (a lone surrogate to Python) crashed a trained BPE's tokenizer: the conversation was
     lost."""
-    said, lines = [], iter(["hi", "caf\udce9", "and you?", "/exit"])
-    monkeypatch.setattr("gptforge.sample.format_chat", spy := SpyFormat(format_chat))
-    chat_session(
-        str(chat_ckpt),
-        ChatSettings(temperature=0.0, max_new_tokens=4),
-        read=lambda prompt: next(lines),
-        write=lambda *a, **k: said.append(a[0] if a else ""),
-    )
+    said, spy = converse(chat_ckpt, ["hi", "caf\udce9", "and you?", "/exit"], monkeypatch, max_new_tokens=4)
     assert "(that message is not valid UTF-8 text (byte 0xe9 at character 4); type it again)" in said
     assert [(m.role, m.content) for m in spy.calls[-1]][::2] == [("user", "hi"), ("user", "and you?")]
 
@@ -226,21 +219,25 @@ def test_piped_chat_shows_each_message_after_its_prompt_and_asks_again_for_one_n
     assert lines[3] == b"you> hello" and lines[-2:] == [b"you> ", b""]
 
 
-def test_a_reply_ends_at_the_end_of_its_turn_in_chat_and_sample_chat(tmp_path, capsys):
+def test_a_reply_ends_at_the_end_of_its_turn_in_chat_and_sample_chat(tmp_path, capsys, monkeypatch):
     """A model whose every reply ends at once: dropping the stop at <|im_end|> would print it as text and go on."""
     ckpt = chat_checkpoint(tmp_path / "stops", ends_every_reply=True)
     args = ["sample", str(ckpt), "--chat", "--prompt", "hi", "--temperature", "0", "--max-new-tokens", "8"]
     assert main(args) == 0
     assert capsys.readouterr().out == "--- sample 0\nuser> hi\nassistant> \n"
-    said, lines = [], iter(["hi", "and you?", "/exit"])
-    monkeypatch = pytest.MonkeyPatch()
-    with monkeypatch.context() as m:
-        m.setattr("gptforge.sample.format_chat", spy := SpyFormat(format_chat))
-        chat_session(
-            str(ckpt),
-            ChatSettings(temperature=0.0, max_new_tokens=8),
-            read=lambda prompt: next(lines),
-            write=lambda *a, **k: said.append(a[0] if a else ""),
-        )
+    said, spy = converse(ckpt, ["hi", "and you?", "/exit"], monkeypatch, max_new_tokens=8)
     assert "<|im_end|>" not in "".join(said)
     assert [(m.role, m.content) for m in spy.calls[-1]] == [("user", "hi"), ("assistant", ""), ("user", "and you?")]
+
+
+def converse(ckpt, lines: list[str], monkeypatch, **settings) -> tuple[list[str], SpyFormat]:
+    """A greedy terminal chat fed `lines`: what it wrote, and the conversations it formatted."""
+    said, typed = [], iter(lines)
+    monkeypatch.setattr("gptforge.sample.format_chat", spy := SpyFormat(format_chat))
+    chat_session(
+        str(ckpt),
+        ChatSettings(temperature=0.0, **settings),
+        read=lambda prompt: next(typed),
+        write=lambda *a, **k: said.append(a[0] if a else ""),
+    )
+    return said, spy
