@@ -401,3 +401,32 @@ def test_a_chat_run_says_its_evaluation_scores_the_replies_alone(tmp_path, data_
     announced = int(re.search(r"evaluating: ([\d,]+) validation tokens \(conversations: the loss scores", out)[1])
     scored = int(re.search(r"val loss .* over ([\d,]+) tokens", out)[1].replace(",", ""))
     assert 0 < scored < announced
+
+
+def test_an_out_that_is_empty_a_link_to_the_current_folder_or_holds_it_never_loses_a_file(
+    tmp_path, monkeypatch, capsys
+):
+    """`prepare --chat --out '' --force` emptied the current folder; `--out self --force` (self -> .) left it
+    half-swapped; `--out .. --force` deleted the folder the shell was in."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"{i}"}) + "\n" for i in range(20)))
+    here = tmp_path / "parent" / "here"
+    here.mkdir(parents=True)
+    (here / "notes.txt").write_text("mine")
+    (tmp_path / "parent" / "sibling.txt").write_text("mine too")
+    monkeypatch.chdir(here)
+    prepare = ["prepare", str(chats), "--val-fraction", "0.2", "--force", "--out"]
+    train = ["train", "--config", "tiny", "--data", str(tmp_path / "none"), "--out"]
+    for command, out, says in (
+        (prepare, "", "--out '': empty"),
+        (train, "", "--out '': empty"),
+        (prepare, "..", "--out ..: holds the current folder"),
+    ):
+        assert main([*command, out]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    assert (here / "notes.txt").read_text() == "mine" and (tmp_path / "parent" / "sibling.txt").is_file()
+    (here / "self").symlink_to(".")
+    assert main([*prepare, "self"]) == 0  # its entries replaced, as for '.', the folder kept
+    assert (here / "manifest.json").is_file() and not (here / "notes.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "parent").iterdir()) == ["here", "sibling.txt"]  # nothing left aside

@@ -318,3 +318,33 @@ def test_a_json_integer_past_pythons_digits_is_one_line_naming_file_and_line(tmp
     err = capsys.readouterr().err
     assert f"{big}:2: not JSON: an integer of more than 4,300 digits" in err and err.count("\n") == 1, err
     assert not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_an_interrupted_swap_into_the_current_folder_puts_every_entry_back(tmp_path, monkeypatch):
+    """Ctrl-C midway through replacing the current folder's entries left them split between it and a hidden
+    folder beside it, which no rerun cleaned up."""
+    here, new = tmp_path / "here", tmp_path / "new"
+    for folder, names in ((here, ["a", "b", "c", LOCK]), (new, ["x", "y"])):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text(f"{folder.name}/{name}")
+    monkeypatch.chdir(here)
+    real, calls = Path.rename, []
+
+    def interrupted(self, target):
+        calls.append(self)
+        if len(calls) == 4:  # the old entries aside, the first new one in: then Ctrl-C
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        swap_dir(new, Path("."))
+    monkeypatch.setattr(Path, "rename", real)
+    assert {p.name: p.read_text() for p in here.iterdir()} == {n: f"here/{n}" for n in ("a", "b", "c", LOCK)}
+    assert {p.name for p in new.iterdir()} == {"x", "y"} and sorted(p.name for p in tmp_path.iterdir()) == [
+        "here",
+        "new",
+    ]
+    swap_dir(new, Path("."))  # uninterrupted: the new entries, the lock where it was held
+    assert {p.name for p in here.iterdir()} == {"x", "y", LOCK} and Path.cwd() == here

@@ -79,10 +79,13 @@ def write_json(path: str | Path, value: Any) -> Path:
 
 
 def named(path: str | Path) -> Path:
-    """`path`, or for '.' and '..' (no name of their own) the absolute folder they mean: a sibling is named after
-    it. Links are not followed, so a link is replaced as a link."""
+    """`path`, or for '.' and '..' (no name of their own) the absolute folder they mean, and for a link to the
+    current folder that folder: a sibling is named after it. Other links are not followed: a link is replaced as a
+    link."""
     path = Path(path)
-    return Path(os.path.abspath(path)) if path.name in ("", "..") else path
+    if path.name in ("", ".."):
+        return Path(os.path.abspath(path))
+    return path.resolve() if path.is_symlink() and _is_current_folder(path) else path
 
 
 def temp_dir_path(final: Path) -> Path:
@@ -136,24 +139,40 @@ def swap_dir(tmp: Path, final: Path) -> Path:
     return final
 
 
+def _current_folder() -> Path:
+    try:
+        return Path.cwd().resolve()
+    except OSError:  # the current folder is gone
+        return Path("/nonexistent-current-folder")
+
+
 def _is_current_folder(folder: Path) -> bool:
     try:
-        return folder.resolve() == Path.cwd().resolve()
-    except OSError:  # the current folder is gone
+        return folder.resolve() == _current_folder()
+    except OSError:
         return False
 
 
 def _swap_entries(tmp: Path, final: Path) -> None:
     """Replace the entries of the current folder by `tmp`'s, the folder kept: replaced whole, the shell that
-    named it '.' would be left in a deleted folder. The old entries go aside first, deleted only after."""
-    final = named(final)
+    named it '.' would be left in a deleted folder. The old entries go aside first, deleted only after; an
+    interruption midway (Ctrl-C, an error) puts every entry back where it was."""
+    final = final.resolve()
     old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
     old.mkdir()
-    for entry in final.iterdir():
-        if entry.name != LOCK:  # the lock this command holds stays where it is held
+    moved: list[tuple[Path, Path]] = []
+    try:
+        for entry in [e for e in final.iterdir() if e.name != LOCK]:  # the lock held stays where it is held
             entry.rename(old / entry.name)
-    for entry in tmp.iterdir():
-        entry.rename(final / entry.name)
+            moved.append((old / entry.name, entry))
+        for entry in list(tmp.iterdir()):
+            entry.rename(final / entry.name)
+            moved.append((final / entry.name, entry))
+    except BaseException:
+        for now, was in reversed(moved):
+            now.rename(was)
+        old.rmdir()
+        raise
     tmp.rmdir()
     shutil.rmtree(old)
 
@@ -288,6 +307,11 @@ def check_output_dir(
         if resolved in target.parents:  # a run inside its data folder: a later prepare --force would delete it
             raise GptforgeError(f"{flag} {out}: inside {source}, which this command reads; write somewhere else")
     _refuse_non_folder(out, flag)
+    if force and not is_empty_dir(out) and target in _current_folder().parents:
+        raise GptforgeError(
+            f"{flag} {out}: holds the current folder, which replacing it would delete; write elsewhere, or run from "
+            "outside it"
+        )
     if not is_run and _is_run(out):
         raise GptforgeError(
             f"{flag} {out}: is a gptforge run or checkpoint, which replacing the folder would delete; write elsewhere"

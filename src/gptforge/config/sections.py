@@ -75,8 +75,8 @@ class TrainConfig:
     time_budget: float = 0.0
     """Wall-clock seconds for the whole run, evaluations included (0: none), kept to within about one step: the step
     count is planned from the steps' pace, and again as it drifts, so that the schedule ends at the last step (a
-    re-plan bends the decay, never raising the learning rate); on a slow host evaluations score fewer tokens (the first and the final one: a quarter of it at most); a resumed run
-    counts its earlier commands' seconds."""
+    re-plan bends the decay, never raising the learning rate); on a slow host evaluations score fewer tokens (the
+    first and the final one: a quarter of it at most); a resumed run counts its earlier commands' seconds."""
     seed: int = 1337
     """Seed for initialization and data order."""
     device: str = "auto"

@@ -20,7 +20,7 @@ from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader
 from gptforge.data.prefetch import Prefetcher
-from gptforge.files import atomic_write, locked
+from gptforge.files import atomic_write, locked, output_folder
 from gptforge.rundir import CONFIG, METRICS, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import resolve_device
@@ -68,7 +68,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str | None = None) -> TrainR
         ):
             return _train(
                 cfg,
-                Path(run_dir),
+                output_folder(run_dir),  # '' is no folder (Path('') would be the current one)
                 resume=resume,
                 env=env,
                 device=resolve_device(device_name),

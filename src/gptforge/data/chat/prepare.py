@@ -38,7 +38,7 @@ from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_man
 from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, building_dir, check_output_dir, locked
+from gptforge.files import atomic_write, building_dir, check_output_dir, locked, output_folder
 from gptforge.inputs import not_utf8, open_text, parse_json, printable, reading
 
 SHOWN_BAD_ROWS = 20
@@ -163,7 +163,7 @@ def _bad(counts: ChatCounts, where: str, reason: str, field: str) -> None:
 def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bool = False) -> dict[str, Any]:
     """Write the chat data folder `out` from `source`; returns its manifest. Refused in one line when no row is
     usable; `out` is replaced only once the new folder is complete."""
-    out = Path(out)
+    out = output_folder(out)  # '' is no folder (Path('') would be the current one)
     files = chat_files(source)
     reads = [*files, *settings.decontaminate, *([settings.tokenizer] if settings.tokenizer != "gpt2" else [])]
     check_output_dir(out, force, reads=reads)
