@@ -430,3 +430,27 @@ def test_an_out_that_is_empty_a_link_to_the_current_folder_or_holds_it_never_los
     assert main([*prepare, "self"]) == 0  # its entries replaced, as for '.', the folder kept
     assert (here / "manifest.json").is_file() and not (here / "notes.txt").exists()
     assert sorted(p.name for p in (tmp_path / "parent").iterdir()) == ["here", "sibling.txt"]  # nothing left aside
+
+
+def test_a_run_or_a_source_whose_name_is_not_utf8_trains_reports_plots_and_exports(tmp_path, data_dir):
+    """train's plot, report, plot and export --format gguf raised on such a name (matplotlib, report.md, GGUF's
+    UTF-8 strings), as did prepare --chat's report.md for such a source; the name is printed as its bytes."""
+    pytest.importorskip("gguf")
+    run, chats = os.path.join(os.fsencode(tmp_path), b"r\xff"), tmp_path / os.fsdecode(b"c\xff.jsonl")
+    chats.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"{i}"}) + "\n" for i in range(20)))
+    tiny = ["--config", "tiny", "--data", str(data_dir), "--set", "train.max_steps=2"]
+    for args in (
+        ["train", *tiny, "--out", run],
+        ["report", run],
+        ["plot", run],
+        ["export", run, "--format", "gguf", "--out", tmp_path / "x.gguf"],
+        ["prepare", chats, "--out", tmp_path / "chats", "--val-fraction", "0.2"],
+    ):
+        done = subprocess.run([sys.executable, "-m", "gptforge", *args], capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        if args[0] == "report":
+            assert b"# Run `r\\xff`" in done.stdout
+        if args[0] == "train":
+            assert run + b"/loss.png" in done.stdout  # as the bytes they are
+    assert os.path.isfile(os.path.join(run, b"summary.json"))
+    assert "c\\xff.jsonl" in (tmp_path / "chats" / "report.md").read_text()

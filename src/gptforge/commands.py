@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 from pathlib import Path
@@ -203,9 +202,6 @@ def cmd_chat(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
     )
-    for stream in (sys.stdin, sys.stdout):  # a byte that is not UTF-8 reaches the loop, which asks again
-        if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="surrogateescape")
     read = input if sys.stdin.isatty() else echoed
     chat_session(args.checkpoint, settings, read=read, device=args.device, dtype=args.dtype)
 

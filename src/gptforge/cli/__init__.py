@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
 import sys
@@ -21,8 +22,18 @@ from gptforge.runtime.allocator import keep_freed_memory
 PACKAGE = str(Path(__file__).parent.parent)
 
 
+def _bytes_as_given() -> None:
+    """Names and text that are not UTF-8 pass through the terminal's streams as the bytes they are, as `ls` shows
+    them (a strict locale's stdout raised at the first such run folder printed); a caller's own streams (a test's
+    capture) are left as they are."""
+    for stream in (sys.stdin, sys.stdout, sys.stderr):
+        if type(stream) is io.TextIOWrapper:
+            stream.reconfigure(errors="surrogateescape")
+
+
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
+    _bytes_as_given()
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():  # restores the previous showwarning for a caller that runs main() in-process

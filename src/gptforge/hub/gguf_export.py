@@ -27,6 +27,7 @@ from gptforge.errors import GptforgeError
 from gptforge.files import stale_temp_files, usual_mode, writing
 from gptforge.hub import GGUF_FILE_TYPES, modern
 from gptforge.hub.convert import gpt2_vocab_and_merges
+from gptforge.inputs import printable
 from gptforge.model.gpt import GPT, GPTConfig
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def _remove_stale_temp_files(out: Path) -> None:
 
 
 def _add_hyperparameters(writer: gguf.GGUFWriter, cfg: GPTConfig, arch: str, name: str) -> None:
-    writer.add_name(name)
+    writer.add_name(printable(name))  # GGUF strings are UTF-8: a folder name may not be
     writer.add_context_length(cfg.block_size)
     writer.add_embedding_length(cfg.n_embd)
     writer.add_block_count(cfg.n_layer)

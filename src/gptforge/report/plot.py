@@ -17,6 +17,7 @@ from pathlib import Path
 from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import GPT2_124M_ACC_NORM, GPT3_125M_ACC_NORM
 from gptforge.files import atomic_write
+from gptforge.inputs import printable
 from gptforge.rundir import read_metrics, val_sources
 
 SOURCE_MARKERS = "s^vDPX*"
@@ -83,7 +84,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Plot
     ax = dict(zip(panels, grid.flat, strict=False))
     plot = Plot(Path(out) if out else runs[0][0] / "loss.png", panels)
     for i, (run_dir, rec) in enumerate(runs):
-        _draw_run(ax, rec, color=f"C{i}", name=run_dir.name, plot=plot)
+        _draw_run(ax, rec, color=f"C{i}", name=printable(run_dir.name), plot=plot)
     if HELLASWAG in ax:
         refs = ax[HELLASWAG]
         refs.axhline(GPT2_124M_ACC_NORM, color="gray", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.2%})")
@@ -94,12 +95,14 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Plot
         a.set_title(title)
         a.set_xlabel("step")
         if to_tokens is not None:
-            a.secondary_xaxis("top", functions=to_tokens).set_xlabel(f"tokens ({runs[0][0].name})", fontsize=7)
+            a.secondary_xaxis("top", functions=to_tokens).set_xlabel(
+                f"tokens ({printable(runs[0][0].name)})", fontsize=7
+            )
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:  # a code panel whose records are all null has no curve
             a.legend(fontsize=7)
     ax["loss"].set_ylabel("cross-entropy (nats/token)")
-    fig.suptitle(" vs ".join(d.name for d, _ in runs))
+    fig.suptitle(" vs ".join(printable(d.name) for d, _ in runs))
     fig.tight_layout()
     _save(fig, plot.path)
     plt.close(fig)

@@ -10,6 +10,7 @@ from pathlib import Path
 from gptforge.errors import GptforgeError
 from gptforge.eval.code import SPAN_LINES
 from gptforge.files import atomic_write
+from gptforge.inputs import printable
 from gptforge.rundir import CONFIG, finite, format_duration, read_metrics, val_sources
 
 
@@ -19,7 +20,7 @@ def run_report(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm_token")
-    lines = [f"# Run `{run_dir.name}`", "", "| metric | value |", "| --- | --- |"]
+    lines = [f"# Run `{printable(run_dir.resolve().name)}`", "", "| metric | value |", "| --- | --- |"]
     if train:
         steady = train[1:] or train  # the first step pays for warm-up
         lines += [

@@ -201,9 +201,10 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
     with locked(out, "prepare"), building_dir(out) as tmp:
         check_output_dir(out, force, reads=reads)  # again, holding the lock: another prepare may have written it
         removed = {**{f"bad rows ({k})": v for k, v in counts.bad.items()}, **counts.removed}
-        manifest = _write(tmp, source, base, splits, settings, removed)
+        shown = printable(source)  # a name that is not UTF-8 goes into the manifest and report.md escaped
+        manifest = _write(tmp, shown, base, splits, settings, removed)
         atomic_write(tmp / REMOVED_FILE, counts.trace)
-        atomic_write(tmp / "report.md", _report(source, counts, manifest))
+        atomic_write(tmp / "report.md", _report(shown, counts, manifest))
     return manifest
 
 
