@@ -116,8 +116,8 @@ def finished(process: subprocess.Popen) -> str:
 def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch):
     pytest.importorskip("uvicorn")
     monkeypatch.chdir(tmp_path)
-    # where the README's corpus is in a checkout's .venv (1% held out: 5 files, enough for a validation batch)
-    corpus = write_corpus(Path(f".venv/lib/python3.{sys.version_info.minor}/site-packages/pip/_internal"), 500)
+    # where the README's corpus is in a checkout's .venv
+    corpus = write_corpus(Path(f".venv/lib/python3.{sys.version_info.minor}/site-packages/pip"), 500)
     lines = walkthrough()
     assert lines[2][0][2] == str(corpus)  # the shell's expansion of its python3.* finds it
     assert [(c[:2], background) for c, background in lines[2:]] == [
