@@ -100,7 +100,7 @@ def test_acc_and_both_normalisations_match_transformers(tmp_path):
 
 def test_bad_hellaswag_file(tmp_path):
     (tmp_path / "h.jsonl").write_text('{"ctx": "x", "endings": ["a", "b"], "label": 0}\n')
-    with pytest.raises(GptforgeError, match=r"h\.jsonl:1: expected 4 endings"):
+    with pytest.raises(GptforgeError, match=r"h\.jsonl:1: expected a HellaSwag record: .*endings a list of 4"):
         read_examples(str(tmp_path / "h.jsonl"))
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(GptforgeError, match=r"empty\.jsonl: no HellaSwag examples"):
@@ -139,3 +139,34 @@ def test_hf_hellaswag_reads_the_validation_split_of_a_local_dataset(tmp_path, mo
     datasets.Dataset.from_dict(rows).to_parquet(tmp_path / "hs" / "data" / "validation-00000-of-00001.parquet")
     examples = read_examples(f"hf:{tmp_path / 'hs'}", limit=1)
     assert examples == [{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}]
+
+
+GOOD = {"ctx": "def add(a, b):", "endings": [" return a + b", " pass", " x", " y"], "label": 0}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ctx": None},
+        {"ctx": 5},
+        {"ctx": ["a"]},
+        {"ctx": "\ud800"},  # a lone surrogate, as JSON's escape makes it
+        {"endings": [1, 2, 3, 4]},
+        {"endings": [None, "a", "b", "c"]},
+        {"endings": {"a": 1, "b": 2, "c": 3, "d": 4}},  # was read as four endings
+        {"endings": "abcd"},  # so was this
+        {"endings": ["a", "b", "c", "\ud800"]},
+        {"label": 1.9},  # was read as 1
+        {"label": True},
+        {"label": " 2 "},
+        {"label": "\u0663"},  # an Arabic-Indic 3
+        {"label": 4},
+    ],
+)
+def test_a_malformed_hellaswag_row_is_one_line_naming_it(tmp_path, change):
+    """Such rows were a TypeError or OverflowError traceback, or read as something else."""
+    (tmp_path / "h.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, **change}) + "\n")
+    with pytest.raises(GptforgeError, match=r"h\.jsonl:2: expected a HellaSwag record: ctx text, endings a list"):
+        read_examples(str(tmp_path / "h.jsonl"))
+    (tmp_path / "h.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": "1"}) + "\n")
+    assert [e["label"] for e in read_examples(str(tmp_path / "h.jsonl"))] == [0, 1]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gptforge.data.sources import open_hf_dataset
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.inputs import read_jsonl
+from gptforge.inputs import not_utf8, read_jsonl
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
@@ -42,13 +42,28 @@ def read_examples(source: str, limit: int = 0) -> list[dict[str, Any]]:
 
 
 def _parse(r: Any, where: str) -> dict[str, Any]:
-    try:
-        example = {"ctx": r["ctx"], "endings": list(r["endings"]), "label": int(r["label"])}
-    except (KeyError, TypeError, ValueError) as e:
-        raise GptforgeError(f"{where}: expected a HellaSwag record with ctx, endings and label ({e})") from None
-    if len(example["endings"]) != 4 or not 0 <= example["label"] < 4:
-        raise GptforgeError(f"{where}: expected 4 endings and a label in 0..3")
-    return example
+    """A record with a text `ctx`, a list of 4 text `endings` and an integer `label` in 0..3 (the official file
+    writes the label as an integer or its digits), each checked: a bad row is one line naming it."""
+    expected = f"{where}: expected a HellaSwag record: ctx text, endings a list of 4 texts, label 0..3"
+    if not isinstance(r, dict) or not {"ctx", "endings", "label"} <= r.keys():
+        raise GptforgeError(f"{expected} (it has {_kind(r)})")
+    ctx, endings, label = r["ctx"], r["endings"], r["label"]
+    if isinstance(label, str) and label in ("0", "1", "2", "3"):
+        label = int(label)
+    texts = [ctx, *endings] if isinstance(endings, list) else []
+    if not texts or len(endings) != 4 or not all(isinstance(t, str) and not_utf8(t) is None for t in texts):
+        raise GptforgeError(f"{expected} (ctx or endings: {_kind(ctx)}, {_kind(endings)})")
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
+        raise GptforgeError(f"{expected} (label: {label!r})")
+    return {"ctx": ctx, "endings": endings, "label": label}
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"an object with {sorted(value)[:5]}"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return type(value).__name__
 
 
 def render(example: dict[str, Any], tok: Tokenizer, block_size: int) -> tuple[list[list[int]], list[int]]:
