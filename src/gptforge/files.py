@@ -33,12 +33,13 @@ def atomic_write(path: str | Path, data: str | bytes | Iterable[bytes | memoryvi
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")  # one writer per process; see stale_temp_files
     chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     try:
-        with writing(path), open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with writing(path):  # the rename too: a folder in the way is a write that failed
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):  # a read-only folder refuses even this; the write's error stands
             tmp.unlink(missing_ok=True)

@@ -25,6 +25,13 @@ FIELDS = {
     "hellaswag": ("acc_norm_token", "n"),
     "code": ("cases", "prefix_exact", "parse_rate"),
 }
+COUNTED = ("tokens", "time", "n", "cases")  # always finite: never null
+
+
+def _number(value: Any, counted: bool) -> bool:
+    return (value is None and not counted) or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
 # Names older runs wrote, read under today's: HellaSwag's per-token acc_norm, named so since lm-eval's is per character.
 OLD_NAMES = {"hellaswag": {"acc_norm": "acc_norm_token"}}
 
@@ -46,6 +53,11 @@ def read_metrics(
         missing = [k for k in FIELDS.get(record.get("kind"), ()) if k not in record]
         if missing:
             raise GptforgeError(f"{where}: a {record['kind']} record without {missing} (not written by gptforge train)")
+        wrong = [k for k in FIELDS.get(record.get("kind"), ()) if not _number(record[k], k in COUNTED)]
+        if wrong:
+            raise GptforgeError(
+                f"{where}: a {record['kind']} record whose {wrong} is not a number (not written by gptforge train)"
+            )
         if record.get("kind") == "resume":  # the steps an interrupted attempt logged past the checkpoint are redone
             records = [r for r in records if r["step"] < record["step"] or (r["step"] == record["step"] > 0)]
         records.append(record)

@@ -142,3 +142,27 @@ def test_a_run_without_bits_per_byte_reports_them_as_not_available(tmp_path, cap
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out
     assert "| best val bits/byte | n/a |" in out and "| best val perplexity | 12.18 |" in out
+
+
+def test_odd_runs_are_one_line_or_a_report_still_printed(tmp_path, capsys, monkeypatch):
+    """A null time or tokens and a config.toml that is not UTF-8 were tracebacks; a report.md that is a folder
+    printed no report; `report .` titled it with an empty name."""
+    run = tmp_path / "run"
+    for bad in ({"time": None}, {"tokens": "12"}, {"loss": True}):
+        write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8, **bad})
+        assert main(["report", str(run)]) == 1
+        err = capsys.readouterr().err
+        assert (
+            f"metrics.jsonl:1: a train record whose ['{next(iter(bad))}'] is not a number" in err
+            and err.count("\n") == 1
+        ), err
+    write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8})
+    (run / "config.toml").write_bytes(b"[model]\nname = '\xff'\n")
+    assert main(["report", str(run)]) == 1
+    assert capsys.readouterr().err == f"gptforge report: error: {run / 'config.toml'}: expected UTF-8 text\n"
+    (run / "config.toml").unlink()
+    (run / "report.md").mkdir()
+    monkeypatch.chdir(run)
+    assert main(["report", "."]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# Run `run`") and "report.md not written" in err and "Is a directory" in err

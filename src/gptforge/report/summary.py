@@ -10,7 +10,7 @@ from pathlib import Path
 from gptforge.errors import GptforgeError
 from gptforge.eval.code import SPAN_LINES
 from gptforge.files import atomic_write
-from gptforge.inputs import printable
+from gptforge.inputs import printable, read_text
 from gptforge.rundir import CONFIG, finite, format_duration, read_metrics, val_sources
 
 
@@ -61,7 +61,7 @@ def run_report(run_dir: str | Path) -> str:
         lines.append(f"| code: sampled function bodies that parse | {parsed} |")
     config = run_dir / CONFIG
     if config.is_file():
-        lines += ["", "## Config", "", "```toml", config.read_text().strip(), "```"]
+        lines += ["", "## Config", "", "```toml", read_text(config).strip(), "```"]
     text = "\n".join(lines) + "\n"
     try:
         atomic_write(run_dir / "report.md", text)
