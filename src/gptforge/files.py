@@ -384,6 +384,8 @@ def check_output_file(out: str | Path, force: bool, reads: Iterable[str | Path] 
     """Refuse an output file path ending in a slash (a folder's), inside a folder the command reads (always), a
     folder, a device, FIFO or socket, one whose folder is missing, or one that exists (a dangling link too) without
     `force`."""
+    if not str(out).strip():  # Path('') would be the current folder
+        raise GptforgeError(f"{flag} {str(out)!r}: empty (expected a file name)")
     if str(out).endswith(("/", os.sep)):  # Path() would drop the slash and write a file of the folder's name
         raise GptforgeError(f"{flag} {out}: ends in a slash, so names a folder (expected a file name)")
     out = Path(out)

@@ -105,3 +105,15 @@ def test_a_peft_folder_named_like_a_gguf_file_is_refused(tmp_path, capsys):
 
     assert main(["export", str(tmp_path / "run"), "--format", "peft", "--out", str(tmp_path / "a.gguf")]) == 1
     assert "a.gguf: a .gguf name for a Hugging Face folder; add --format gguf" in capsys.readouterr().err
+
+
+def test_the_adapter_names_its_base_by_path_so_auto_peft_loads_it_from_anywhere(tmp_path, monkeypatch):
+    """'base_model_name_or_path': 'base' sent AutoPeftModel from any other folder to a Hub repo named base."""
+    model, tok = lora_model()
+    out = export_peft(model, tok, SPEC, tmp_path / "adapter")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # not the adapter's folder: a relative 'base' would not be found
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    idx = torch.randint(0, tok.vocab_size, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx).logits, model(idx, all_logits=True)[0], rtol=1e-4, atol=1e-4)

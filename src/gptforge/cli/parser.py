@@ -26,7 +26,10 @@ from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
 THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
-FORCE_HELP = "replace a non-empty --out folder or file (the old one is removed only once the new one is complete)"
+FORCE_HELP = (
+    "replace a non-empty --out folder or file (the old one is removed only once the new one is complete); a gptforge "
+    "run or checkpoint is never replaced"
+)
 
 
 def build_parser() -> Parser:

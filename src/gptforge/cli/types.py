@@ -66,16 +66,18 @@ def utf8_text(text: str) -> str:
 
 def api_key(text: str) -> str:
     """--api-key (or $GPTFORGE_API_KEY): an empty key would serve without authentication, one with spaces at either
-    end or a character an HTTP header cannot carry would start a server no client can use."""
+    end or a character an HTTP header cannot carry would start a server no client can use. The key is not shown."""
     if not text.strip():
         raise argparse.ArgumentTypeError(
-            f"got {text!r} (or $GPTFORGE_API_KEY holds it): an empty key would serve everyone; give a key, or leave "
+            "empty (or only spaces; $GPTFORGE_API_KEY too): an empty key would serve everyone; give a key, or leave "
             "out --api-key and unset GPTFORGE_API_KEY"
         )
-    if text != text.strip() or not all(" " <= c <= "~" for c in text):
+    if text != text.strip():
+        raise argparse.ArgumentTypeError("spaces at either end, which a client's header loses ($GPTFORGE_API_KEY too)")
+    bad = next((i for i, c in enumerate(text) if not " " <= c <= "~"), None)
+    if bad is not None:
         raise argparse.ArgumentTypeError(
-            "expected printable ASCII without spaces at either end (what an Authorization header carries), got "
-            f"{text!r} (or $GPTFORGE_API_KEY holds it)"
+            f"character {bad + 1} is not printable ASCII, which an Authorization header carries ($GPTFORGE_API_KEY too)"
         )
     return text
 

@@ -11,6 +11,7 @@ piece, all sharing A, each with its block of B's rows, since B A x stacks the pi
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def adapter_config(model: GPT, spec: LoRASpec) -> dict[str, Any]:
+def adapter_config(model: GPT, spec: LoRASpec, base: Path) -> dict[str, Any]:
     """adapter_config.json: PEFT's scaling is lora_alpha / r, as ours; a target matches a name ending in it."""
     # transformer.h.N.attn.c_attn and model.layers.N.self_attn.q_proj: the layer's name past its index
     targets = list(dict.fromkeys(name.split(".", 3)[3] for name in hf_adapters(model)))
@@ -61,7 +62,8 @@ def adapter_config(model: GPT, spec: LoRASpec) -> dict[str, Any]:
         "target_modules": targets,
         "fan_in_fan_out": modern.exports_as_gpt2(model.config),  # GPT-2's Conv1D layers store (in, out)
         "bias": "none",
-        "base_model_name_or_path": BASE,
+        # where the base is, as a path: a bare "base" is a Hub repo to AutoPeftModel run from another folder
+        "base_model_name_or_path": str(base),
     }
 
 
@@ -72,7 +74,7 @@ def export_peft(model: GPT, tokenizer: Tokenizer, spec: LoRASpec, out_dir: str |
     out = Path(out_dir)
     with building_dir(out) as tmp:
         export_hf(merge_lora(copy.deepcopy(model), merge=False), tokenizer, tmp / BASE)
-        write_json(tmp / "adapter_config.json", adapter_config(model, spec))
+        write_json(tmp / "adapter_config.json", adapter_config(model, spec, Path(os.path.abspath(out)) / BASE))
         save_file(adapter_state(model), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         usual_mode(tmp / "adapter_model.safetensors")
         write_tokenizer_files(tokenizer, tmp, model.config.block_size)
