@@ -444,6 +444,8 @@ def test_a_run_or_a_source_whose_name_is_not_utf8_trains_reports_plots_and_expor
         ["report", run],
         ["plot", run],
         ["export", run, "--format", "gguf", "--out", tmp_path / "x.gguf"],
+        ["export", run, "--out", os.path.join(os.fsencode(tmp_path), b"h\xff")],
+        ["import", os.path.join(os.fsencode(tmp_path), b"h\xff"), "--out", tmp_path / "imported"],
         ["prepare", chats, "--out", tmp_path / "chats", "--val-fraction", "0.2"],
     ):
         done = subprocess.run([sys.executable, "-m", "gptforge", *args], capture_output=True, timeout=600)

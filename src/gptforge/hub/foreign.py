@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from gptforge.config import RULES
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.inputs import read_text
+from gptforge.inputs import read_text, utf8_path
 from gptforge.model.gpt import GPTConfig
 from gptforge.runtime.device import DTYPES
 
@@ -151,7 +151,11 @@ def _shards(hf_dir: Path, index: Path) -> list[Path]:
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file or a pickled state dict; a damaged or foreign file is one line."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True) if path.suffix == ".bin" else load_file(path)
+        if path.suffix == ".bin":
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            with utf8_path(path) as name:  # safetensors opens UTF-8 paths only
+                state = load_file(name)
     except pickle.UnpicklingError:  # torch's text suggests loading untrusted pickles: not advice to pass on
         raise GptforgeError(f"{path}: unreadable weights (not a PyTorch weights file)") from None
     except Exception as e:  # noqa: BLE001 - safetensors and torch.load raise their own types for a damaged file
