@@ -456,3 +456,13 @@ def test_a_run_or_a_source_whose_name_is_not_utf8_trains_reports_plots_and_expor
             assert run + b"/loss.png" in done.stdout  # as the bytes they are
     assert os.path.isfile(os.path.join(run, b"summary.json"))
     assert "c\\xff.jsonl" in (tmp_path / "chats" / "report.md").read_text()
+
+
+def test_speedrun_and_demo_refuse_an_empty_out(tmp_path, monkeypatch, capsys):
+    """`speedrun --out '' --force` emptied the current folder; `demo --out ''` trained into runs/demo instead."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    for command in (["speedrun", "--budget", "1", "--seeds", "1"], ["demo"]):
+        assert main([*command, "--out", "", "--force"]) == 1
+        assert "--out '': empty" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -278,7 +278,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
             raise GptforgeError("--config: with --chat the fine-tuning recipe is chat-cpu (change it with --set)")
         run_chat_demo(args.base, args.data, args.out or "runs/demo-chat", args.time_budget, args.set, args.force)
         return
-    run_demo(args.out or "runs/demo", args.data, args.time_budget, args.set, args.force, args.config)
+    run_demo(
+        "runs/demo" if args.out is None else args.out, args.data, args.time_budget, args.set, args.force, args.config
+    )
 
 
 def cmd_speedrun(args: argparse.Namespace) -> None:

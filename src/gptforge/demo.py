@@ -27,6 +27,7 @@ from gptforge.files import (
     is_empty_dir,
     locked,
     named,
+    output_folder,
     replacing_dir,
     to_json,
     write_json,
@@ -58,7 +59,7 @@ def run_demo(
     preset: str | None = None,
 ) -> dict:
     """Train into `out` (new or empty; with `force` a non-empty one is replaced once the new run is complete)."""
-    out_dir, data_dir = Path(out), Path(data)
+    out_dir, data_dir = output_folder(out), Path(data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir], is_run=True)  # --force replaces the demo's run

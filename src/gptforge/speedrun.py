@@ -26,7 +26,7 @@ from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import read_manifest
 from gptforge.demo import VAL_FRACTION, VOCAB_SIZE
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, check_output_dir, locked, replacing_dir, write_json
+from gptforge.files import atomic_write, check_output_dir, locked, output_folder, replacing_dir, write_json
 from gptforge.rundir import finite, read_metrics
 from gptforge.runtime.device import resolve_device
 from gptforge.runtime.threads import sustained_matmul_flops, use_threads
@@ -173,7 +173,7 @@ def speedrun(
     """Train each recipe (name -> preset; the first is the baseline) for `budget` seconds with seeds S, S+1, ...
     (S: the first preset's train.seed) into OUT/NAME-seedS, then compare them; writes speedrun.json and .png."""
     recipes = recipes or {"gpt2": "demo-cpu", "modern": "modern-cpu"}
-    out_dir = Path(out)
+    out_dir = output_folder(out)  # '' is no folder (Path('') would be the current one)
     data_dir = Path(data) if data else Path("data/stdlib")
     configs = {name: load_config(preset, [*overrides, f"data.path={data_dir}"]) for name, preset in recipes.items()}
     if data is not None:
