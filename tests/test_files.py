@@ -352,5 +352,6 @@ def test_an_interrupted_swap_into_the_current_folder_puts_every_entry_back(tmp_p
 
 def test_an_empty_file_out_is_named_as_given():
     """export --format gguf --out '' said '--out .: is a folder', a path the user never typed."""
-    with pytest.raises(GptforgeError, match=r"^--out '': empty \(expected a file name\)$"):
-        check_output_file("", force=True)
+    for out in ("", "  "):
+        with pytest.raises(GptforgeError, match=rf"^--out {out!r}: empty \(expected a file name\)$"):
+            check_output_file(out, force=True)
