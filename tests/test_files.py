@@ -11,18 +11,9 @@ import pytest
 from tests.helpers import lock_held_elsewhere
 
 from gptforge.errors import GptforgeError
-from gptforge.files import (
-    LOCK,
-    append_jsonl,
-    atomic_write,
-    building_dir,
-    check_output_dir,
-    check_output_file,
-    locked,
-    swap_dir,
-    temp_dir_for,
-)
+from gptforge.files import LOCK, append_jsonl, atomic_write, building_dir, locked, swap_dir, temp_dir_for
 from gptforge.inputs import open_text, read_jsonl
+from gptforge.outputs import check_output_dir, check_output_file
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp_file(tmp_path):
@@ -275,7 +266,7 @@ def test_output_folders_that_cannot_be_made_are_one_line(tmp_path):
 
 
 def test_reading_accepts_a_byte_order_mark_and_names_deep_json_and_special_files(tmp_path):
-    from gptforge.files import require_regular_file
+    from gptforge.inputs import require_regular_file
 
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n')

@@ -16,8 +16,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from gptforge.data.clean.dedup import DedupSettings
     from gptforge.data.clean.quality import QualitySettings
     from gptforge.data.engine import EngineSettings
-    from gptforge.data.prepare import prepare, summarize
+    from gptforge.data.prepare import prepare
     from gptforge.data.prepare_settings import PrepareSettings
+    from gptforge.data.report import summarize
 
     dedup = DedupSettings(
         mode=args.dedup,

@@ -16,23 +16,15 @@ from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.chat.template import Message, format_chat
 from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.data.outdir import TOKENIZER_FILE
-from gptforge.data.prepare import prepare, summarize
+from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.data.report import summarize
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.files import (
-    atomic_write,
-    check_output_dir,
-    is_empty_dir,
-    locked,
-    named,
-    output_folder,
-    replacing_dir,
-    to_json,
-    write_json,
-)
+from gptforge.files import atomic_write, is_empty_dir, locked, named, replacing_dir, to_json, write_json
 from gptforge.model.generate import generate
+from gptforge.outputs import check_output_dir, output_folder
 from gptforge.report.plot import plot_runs
 from gptforge.train.setup import check_model_overrides, model_overrides
 from gptforge.train.trainer import TrainResult, train

@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import re
+import stat
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -121,3 +122,16 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
                     return
                 raise GptforgeError(f"{where}: {e}") from None
             yield where, record
+
+
+def require_regular_file(path: str | Path, flag: str) -> Path:
+    """`path` when it is a regular file (or a link to one); one line for a FIFO, device or folder, which would
+    block or never end when read whole."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise GptforgeError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise GptforgeError(f"{flag} {path}: not a regular file (expected a file to read)")
+    return path

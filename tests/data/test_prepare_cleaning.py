@@ -8,8 +8,9 @@ import pytest
 
 import gptforge.data.pipeline as pipeline
 from gptforge.data.loader import TokenLoader
-from gptforge.data.prepare import is_validation, prepare, summarize
+from gptforge.data.prepare import is_validation, prepare
 from gptforge.data.prepare_settings import PrepareSettings
+from gptforge.data.report import summarize
 from gptforge.data.shards import read_manifest
 from gptforge.errors import GptforgeError
 
@@ -354,7 +355,7 @@ def test_a_copy_of_a_contaminated_document_never_names_it_as_the_one_kept(tmp_pa
 
 def test_a_classifier_that_keeps_almost_nothing_is_said_loudly_with_thresholds_that_would_keep_more():
     """`--quality REF` with the Pareto rule kept 7 of 717 documents (no validation split) and exited 0 unremarked."""
-    from gptforge.data.prepare import summarize
+    from gptforge.data.report import summarize
     from gptforge.data.report import STAGES
 
     stages = {s: {"docs": 0, "bytes": 0} for s in STAGES}

@@ -85,7 +85,7 @@ def test_empty_names_are_refused(flags, message):
 
 
 def test_the_same_folder_written_another_way_is_the_same_source(tmp_path, monkeypatch):
-    from gptforge.files import check_output_dir
+    from gptforge.outputs import check_output_dir
 
     monkeypatch.chdir(tmp_path)
     _code(tmp_path).rename("c1")
@@ -100,8 +100,7 @@ def test_the_same_folder_written_another_way_is_the_same_source(tmp_path, monkey
 
 
 def test_the_summary_adds_up_and_does_not_say_wrote():
-    from gptforge.data.prepare import summarize
-    from gptforge.data.report import STAGES
+    from gptforge.data.report import STAGES, summarize
 
     stages = {s: {"docs": 0, "bytes": 0} for s in STAGES}
     stages.update(read={"docs": 2, "bytes": 20}, kept={"docs": 2, "bytes": 20})

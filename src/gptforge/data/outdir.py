@@ -16,15 +16,8 @@ from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.report import REMOVED_FILE
 from gptforge.data.shards import MANIFEST, PROGRESS
 from gptforge.errors import GptforgeError
-from gptforge.files import (
-    atomic_write,
-    check_output_dir,
-    is_empty_dir,
-    locked,
-    stale_temp_files,
-    temp_dir_for,
-    temp_dir_path,
-)
+from gptforge.files import atomic_write, is_empty_dir, locked, stale_temp_files, temp_dir_for, temp_dir_path
+from gptforge.outputs import check_output_dir
 
 TOKENIZER_FILE = "tokenizer.json"
 REPORT_FILE = "report.md"

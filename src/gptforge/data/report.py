@@ -8,6 +8,7 @@ import re
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -194,3 +195,45 @@ def _cell(text: str) -> str:
     """`text` kept to one table cell: a `|` escaped, a newline or tab shown as its escape (a filter's reason quotes
     the document's own text)."""
     return one_line(text).replace("|", "\\|")
+
+
+FEW_KEPT = 0.1  # a classifier keeping less than this share of what it scored is said loudly
+
+
+def _few_kept_by_quality(report: dict[str, Any], stages: dict[str, Any]) -> list[str]:
+    """A warning when the quality classifier kept almost nothing, with the thresholds its score deciles give."""
+    scored = report.get("quality", {}).get("count", 0)
+    kept = scored - stages["quality"]["docs"]
+    if not scored or kept >= FEW_KEPT * scored:
+        return []
+    deciles = report["quality"]["deciles"]
+    return [
+        f"warning: the quality classifier kept {kept:,} of the {scored:,} documents it scored ({kept / scored:.1%}): "
+        f"--quality-threshold {deciles[5]:.3f} would keep about half of them, {deciles[1]:.3f} about 90% "
+        "(the scores' deciles; report.md shows each tenth's documents)"
+    ]
+
+
+def summarize(manifest: dict[str, Any], out_dir: str | Path) -> str:
+    """What `gptforge prepare` wrote, a line per split, and what each stage removed (a folder from before the report
+    has no such line)."""
+    lines = [
+        f"{split}: {s['docs']:,} documents, {s['tokens']:,} tokens, {s['bytes'] / 1e6:.1f} MB"
+        for split, s in manifest["splits"].items()
+    ]
+    held_out = manifest.get("settings", {}).get("val_fraction", 0) > 0
+    if held_out and not manifest["splits"].get("val", {}).get("docs"):  # the filters or the classifier took them
+        lines.append("val: none kept, the stages removed every held-out document: train will run without validation")
+    if "report" in manifest:
+        stages = manifest["report"]["stages"]
+        removed = [
+            f"{stage} {c['docs']:,} ({c['bytes'] / 1e6:.2f} MB)"
+            for stage, c in stages.items()
+            if stage not in ("read", "kept") and c["docs"]
+        ]
+        # Skipped files never become documents read: "met" counts them too, so kept + removed = met.
+        met = sum(c["docs"] for stage, c in stages.items() if stage == "read" or "skipped" in stage)
+        lines.append(f"removed: {', '.join(removed) or 'nothing'} of {met:,} documents met (see report.md)")
+        lines += _few_kept_by_quality(manifest["report"], stages)
+    # Not "wrote": a folder already prepared was only read.
+    return "\n".join([*lines, one_line(f"{out_dir}: {len(manifest['shards'])} shard(s) and manifest.json")])

@@ -11,11 +11,11 @@ from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer, added_toke
 from gptforge.data.fim import FIM_TEXTS
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import check_output_dir, check_output_file
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.git import push_folder
 from gptforge.hub.peft_export import BASE, export_peft
 from gptforge.model.gpt import GPT
+from gptforge.outputs import check_output_dir, check_output_file
 
 
 def export_checkpoint(

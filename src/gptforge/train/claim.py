@@ -6,7 +6,8 @@ from pathlib import Path
 
 from gptforge.checkpoint import checkpoints
 from gptforge.errors import GptforgeError
-from gptforge.files import LOCK, check_output_dir, is_empty_dir
+from gptforge.files import LOCK, is_empty_dir
+from gptforge.outputs import check_output_dir
 from gptforge.rundir import CONFIG, METRICS, SAMPLES
 from gptforge.train.metrics import WANDB_ID
 

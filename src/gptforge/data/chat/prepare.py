@@ -38,8 +38,9 @@ from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_man
 from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, building_dir, check_output_dir, locked, output_folder
+from gptforge.files import atomic_write, building_dir, locked
 from gptforge.inputs import not_utf8, open_text, parse_json, printable, reading
+from gptforge.outputs import check_output_dir, output_folder
 
 SHOWN_BAD_ROWS = 20
 

@@ -13,8 +13,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from gptforge.files import require_regular_file
-from gptforge.inputs import format_suffix, read_jsonl, read_text
+from gptforge.inputs import format_suffix, read_jsonl, read_text, require_regular_file
 
 N = 13
 _WORD = re.compile(r"[^\W_]+")  # \w without the underscore: snake_case splits as before, any script is words

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from gptforge.errors import GptforgeError
-from gptforge.files import require_regular_file
-from gptforge.inputs import read_jsonl
+from gptforge.inputs import read_jsonl, require_regular_file
 
 SAMPLE_DOCS = 20_000  # documents learned from on each side, at most: bounds the parent's time and memory
 LABELLED_DOCS = 2 * SAMPLE_DOCS  # --quality-labels rows learned from, at most: as many as --quality's two sides
