@@ -3,6 +3,7 @@
 import errno
 import gzip
 import os
+import signal
 import socket
 import stat
 from pathlib import Path
@@ -346,3 +347,94 @@ def test_an_empty_file_out_is_named_as_given():
     for out in ("", "  "):
         with pytest.raises(GptforgeError, match=rf"^--out {out!r}: empty \(expected a file name\)$"):
             check_output_file(out, force=True)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_ctrl_c_between_a_swaps_renames_waits_for_the_swap_to_end(tmp_path, monkeypatch, in_place):
+    """A SIGINT landing between a rename and its record stranded an entry in the hidden old folder (in place), or
+    left the folder missing with its old contents hidden beside it (a sibling swap)."""
+    here, new = tmp_path / "here", tmp_path / "new"
+    for folder, names in ((here, ["a", "b"]), (new, ["x", "y"])):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text(name)
+    monkeypatch.chdir(here if in_place else tmp_path)
+    real = Path.rename
+
+    def signalled(self, target):
+        moved = real(self, target)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered right after the rename, before the swap records it
+        return moved
+
+    monkeypatch.setattr(Path, "rename", signalled)
+    with pytest.raises(KeyboardInterrupt):
+        swap_dir(new, Path(".") if in_place else here)
+    monkeypatch.setattr(Path, "rename", real)
+    assert sorted(p.name for p in here.iterdir()) == ["x", "y"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+
+
+def test_old_contents_a_kill_left_are_named_by_the_next_write(tmp_path, capsys):
+    """kill -9 midway through a swap splits the folder; a rerun never mentioned the hidden old contents."""
+    out = tmp_path / "out"
+    stranded = tmp_path / ".out.gptforge-old-4242-0badf00d"
+    stranded.mkdir()
+    (tmp_path / ".outer.gptforge-old-1-00000000").mkdir()  # another folder's: not named
+    with building_dir(out) as tmp:
+        (tmp / "f").write_text("new")
+    err = capsys.readouterr().err
+    assert f"warning: {stranded} holds old contents of out" in err and err.count("\n") == 1, err
+    assert stranded.is_dir() and (out / "f").read_text() == "new"  # never deleted: the user looks first
+
+
+def test_a_way_to_the_current_folder_through_a_link_inside_it_swaps_in_place(tmp_path, monkeypatch):
+    """`uplink/CUR` (uplink -> ..) and `self/sub/..` (self -> .) built the new folder inside the current one and
+    moved it aside with the old entries."""
+    cur = tmp_path / "CUR"
+    cur.mkdir()
+    (cur / "uplink").symlink_to("..")
+    (cur / "self").symlink_to(".")
+    (cur / "sub").mkdir()
+    monkeypatch.chdir(cur)
+    for out in ("self/sub/..", "uplink/CUR"):
+        with building_dir(Path(out)) as tmp:
+            (tmp / "made").write_text(out)
+        made = sorted(p.name for p in cur.iterdir())
+        assert made == ["made"] and sorted(p.name for p in tmp_path.iterdir()) == ["CUR"], made
+        (cur / "uplink").symlink_to("..")
+        (cur / "self").symlink_to(".")
+        (cur / "sub").mkdir()
+
+
+def test_a_swap_whose_second_rename_fails_puts_the_old_folder_back(tmp_path, monkeypatch):
+    """The old folder was moved aside and stayed hidden when the new one could not be renamed into place."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("kept")
+    real, calls = Path.rename, []
+
+    def failing(self, target):
+        calls.append(self)
+        if len(calls) == 2:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(GptforgeError, match="cannot write"), building_dir(out) as tmp:
+        (tmp / "new").write_text("new")
+    monkeypatch.setattr(Path, "rename", real)
+    assert [p.name for p in out.iterdir()] == ["old"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_jsonl_lines_end_at_a_newline_not_at_a_bare_carriage_return(tmp_path):
+    """A bare \\r is JSON whitespace, but Python's text files broke lines there: a good row read as two bad ones,
+    and a bad row was named by the wrong line."""
+    plain = tmp_path / "a.jsonl"
+    plain.write_bytes(b'{"x": 1,\r"y": 2}\r\n\n{"x": 3}\n')
+    packed = tmp_path / "a.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, packed):
+        assert list(read_jsonl(path)) == [(f"{path}:1", {"x": 1, "y": 2}), (f"{path}:3", {"x": 3})]
+    plain.write_bytes(b'{"x":\r1}\n{"x": }\n')
+    with pytest.raises(GptforgeError, match=rf"{plain}:2: not JSON"):
+        list(read_jsonl(plain))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import math
 import os
@@ -17,7 +18,10 @@ import re
 import resource
 import secrets
 import shutil
+import signal
 import stat
+import sys
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,13 +83,11 @@ def write_json(path: str | Path, value: Any) -> Path:
 
 
 def named(path: str | Path) -> Path:
-    """`path`, or for '.' and '..' (no name of their own) the absolute folder they mean, and for a link to the
-    current folder that folder: a sibling is named after it. Other links are not followed: a link is replaced as a
-    link."""
+    """`path`, or for '.' and '..' (no name of their own) and any way to the current folder (a link to it, a link
+    inside it) the real folder they mean: a sibling is named after it. Other links are not followed: a link is
+    replaced as a link."""
     path = Path(path)
-    if path.name in ("", ".."):
-        return Path(os.path.abspath(path))
-    return path.resolve() if path.is_symlink() and _is_current_folder(path) else path
+    return path.resolve() if path.name in ("", "..") or _is_current_folder(path) else path
 
 
 def temp_dir_path(final: Path) -> Path:
@@ -96,7 +98,14 @@ def temp_dir_path(final: Path) -> Path:
 
 
 def temp_dir_for(final: Path) -> Path:
-    """A fresh `temp_dir_path(final)` (a crash's leftover is cleared)."""
+    """A fresh `temp_dir_path(final)` (a crash's leftover is cleared; old contents a kill -9 stranded are named)."""
+    for old in leftovers(final):
+        print(
+            f"warning: {old} holds old contents of {named(final).name} that a gptforge killed while replacing it left; "
+            "look in it, then delete it",
+            file=sys.stderr,
+            flush=True,
+        )
     tmp = temp_dir_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -125,18 +134,53 @@ def refuse_non_folder(final: Path, flag: str = "") -> None:
 def swap_dir(tmp: Path, final: Path) -> Path:
     """Put the complete folder `tmp` at `final`; an old `final` is moved aside first and deleted only after."""
     refuse_non_folder(final)
-    if final.exists() and _is_current_folder(final):
-        _swap_entries(tmp, final)
-    elif final.exists():
-        final = named(final)
-        # A name no one else holds: a fixed one could be a folder of the user's, which would be deleted.
-        old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
-        final.rename(old)
-        tmp.rename(final)
-        old.unlink() if old.is_symlink() else shutil.rmtree(old)  # a link is replaced, what it points to kept
-    else:
-        tmp.rename(final)
+    with uninterrupted():
+        if final.exists() and _is_current_folder(final):
+            _swap_entries(tmp, final)
+        elif final.exists():
+            final = named(final)
+            old = _aside(final)
+            final.rename(old)
+            try:
+                tmp.rename(final)
+            except OSError:
+                old.rename(final)
+                raise
+            old.unlink() if old.is_symlink() else shutil.rmtree(old)  # a link is replaced, what it points to kept
+        else:
+            tmp.rename(final)
     return final
+
+
+def _aside(final: Path) -> Path:
+    """Where `final`'s old contents wait until the new ones are in: a name no one else holds (a fixed one could be
+    a folder of the user's, which would be deleted) that `leftovers` finds if a kill -9 leaves it."""
+    return final.with_name(f".{final.name}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def leftovers(final: Path) -> list[Path]:
+    """Old contents of `final` left beside it by a gptforge killed midway through replacing it (kill -9)."""
+    final = named(final)
+    return sorted(final.parent.glob(f".{glob.escape(final.name)}{OLD_MARK}*")) if final.parent.is_dir() else []
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP off for a block of renames that must not be split (a signal between a rename
+    and its record would strand an entry); a signal that came is delivered once the block is done."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def current_folder() -> Path:
@@ -158,7 +202,7 @@ def _swap_entries(tmp: Path, final: Path) -> None:
     named it '.' would be left in a deleted folder. The old entries go aside first, deleted only after; an
     interruption midway (Ctrl-C, an error) puts every entry back where it was."""
     final = final.resolve()
-    old = final.with_name(f".{final.name}.gptforge-old-{os.getpid()}-{secrets.token_hex(4)}")
+    old = _aside(final)
     old.mkdir()
     moved: list[tuple[Path, Path]] = []
     try:
@@ -187,10 +231,10 @@ def building_dir(final: str | Path) -> Iterator[Path]:
     try:
         with writing(final):
             yield tmp
+            swap_dir(tmp, final)  # in the try: a signal held off during the swap must not strand `tmp` either
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    swap_dir(tmp, final)
 
 
 @contextlib.contextmanager
@@ -271,6 +315,7 @@ def _size_cap() -> str:
 
 
 LOCK = ".lock"
+OLD_MARK = ".gptforge-old-"  # in the hidden name of a folder's old contents while a swap replaces them
 """The file `locked` holds in a run or data folder; it does not make the folder non-empty."""
 METRICS = "metrics.jsonl"
 """A run's log (rundir): with its checkpoints/ folder, what marks a folder as a gptforge run."""

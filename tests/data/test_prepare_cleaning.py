@@ -355,8 +355,7 @@ def test_a_copy_of_a_contaminated_document_never_names_it_as_the_one_kept(tmp_pa
 
 def test_a_classifier_that_keeps_almost_nothing_is_said_loudly_with_thresholds_that_would_keep_more():
     """`--quality REF` with the Pareto rule kept 7 of 717 documents (no validation split) and exited 0 unremarked."""
-    from gptforge.data.report import summarize
-    from gptforge.data.report import STAGES
+    from gptforge.data.report import STAGES, summarize
 
     stages = {s: {"docs": 0, "bytes": 0} for s in STAGES}
     stages["read"]["docs"], stages["quality"]["docs"], stages["kept"]["docs"] = 717, 710, 7

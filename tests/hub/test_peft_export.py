@@ -2,6 +2,7 @@
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,19 @@ def test_the_adapter_names_its_base_by_path_so_auto_peft_loads_it_from_anywhere(
     idx = torch.randint(0, tok.vocab_size, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx).logits, model(idx, all_logits=True)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_base_path_is_where_the_base_lands_through_links(tmp_path, monkeypatch):
+    """`--out self` (a link to the current folder, replaced by the swap) and `deep/../x` (deep a link elsewhere)
+    named a base where there was none."""
+    model, tok = lora_model()
+    here, away = tmp_path / "here", tmp_path / "away" / "inner"
+    here.mkdir()
+    away.mkdir(parents=True)
+    (here / "self").symlink_to(".")
+    (here / "deep").symlink_to(away)
+    monkeypatch.chdir(here)
+    for out, base in (("deep/../x", tmp_path / "away" / "x" / "base"), ("self", here / "base")):  # self goes
+        export_peft(model, tok, SPEC, out)
+        named_base = Path(json.loads((base.parent / "adapter_config.json").read_text())["base_model_name_or_path"])
+        assert named_base == base and (named_base / "model.safetensors").is_file()

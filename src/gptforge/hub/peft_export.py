@@ -11,7 +11,6 @@ piece, all sharing A, each with its block of B's rows, since B A x stacks the pi
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from safetensors.torch import save_file
 
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.files import building_dir, usual_mode, write_json
+from gptforge.files import building_dir, named, usual_mode, write_json
 from gptforge.hub import modern
 from gptforge.hub.convert import export_hf, write_tokenizer_files
 from gptforge.model.gpt import GPT
@@ -72,9 +71,10 @@ def export_peft(model: GPT, tokenizer: Tokenizer, spec: LoRASpec, out_dir: str |
     if not lora_layers(model):
         raise GptforgeError("--format peft: this checkpoint has no adapters (train.lora_rank was 0)")
     out = Path(out_dir)
+    final = named(out)  # where the folder will be: a link at `out` is replaced, a link above it is followed
     with building_dir(out) as tmp:
         export_hf(merge_lora(copy.deepcopy(model), merge=False), tokenizer, tmp / BASE)
-        write_json(tmp / "adapter_config.json", adapter_config(model, spec, Path(os.path.abspath(out)) / BASE))
+        write_json(tmp / "adapter_config.json", adapter_config(model, spec, final.parent.resolve() / final.name / BASE))
         save_file(adapter_state(model), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         usual_mode(tmp / "adapter_model.safetensors")
         write_tokenizer_files(tokenizer, tmp, model.config.block_size)
