@@ -11,6 +11,7 @@ ROOT = Path(gptforge.__file__).parent
 LAYERS = [
     {"errors"},
     {"files", "inputs"},
+    {"outputs"},
     {"runtime"},
     {"model", "data"},
     {"config"},
