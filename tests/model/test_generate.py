@@ -3,8 +3,9 @@ import torch
 import torch.nn.functional as F
 
 from gptforge.errors import GptforgeError
-from gptforge.model.generate import generate, sample_next, stream
+from gptforge.model.generate import generate, stream
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.model.sampling import sample_next
 
 
 def tiny(block_size=16, vocab_size=1000):
@@ -157,7 +158,7 @@ def test_batched_generation_writes_what_each_prompt_writes_alone(block):
 
 def test_rows_drawn_together_get_the_tokens_each_gets_alone_over_gpt2s_vocabulary():
     """A greedy row among drawn ones, rules of every kind, float32 and bfloat16 logits."""
-    from gptforge.model.generate import Sampling, sample_rows
+    from gptforge.model.sampling import Sampling, sample_rows
 
     g = torch.Generator().manual_seed(0)
     rules = [Sampling(1.0), Sampling(0.0), Sampling(0.7), Sampling(1.3, top_k=40), Sampling(0.9, top_p=0.8)]
@@ -175,7 +176,7 @@ def test_drawing_at_temperature_1_makes_one_pass_over_the_vocabulary_in_float32(
     a cumsum over the whole vocabulary took half of what was left."""
     from torch.overrides import TorchFunctionMode
 
-    from gptforge.model.generate import Sampling, sample_rows
+    from gptforge.model.sampling import Sampling, sample_rows
 
     class Passes(TorchFunctionMode):
         def __init__(self):
@@ -200,7 +201,7 @@ def test_drawing_at_temperature_1_makes_one_pass_over_the_vocabulary_in_float32(
 def test_a_draw_inverts_the_cumulative_distribution_and_never_picks_a_token_without_mass(vocab):
     """Against a float64 cumsum over the whole row: the same token for every uniform but those within float32
     rounding of a bound, and never one that top-k (or the row's end) left without probability."""
-    from gptforge.model.generate import Sampling, sample_rows
+    from gptforge.model.sampling import Sampling, sample_rows
 
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(1, vocab, generator=g) * 3
@@ -224,7 +225,7 @@ def test_a_draw_inverts_the_cumulative_distribution_and_never_picks_a_token_with
 
 def test_a_huge_temperature_still_draws_only_from_the_top_k():
     """Past float32's largest a temperature rounded every scaled logit to a tie with the k-th, so top-k kept all."""
-    from gptforge.model.generate import Sampling, sample_rows
+    from gptforge.model.sampling import Sampling, sample_rows
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 1000, generator=g)

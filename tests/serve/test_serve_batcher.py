@@ -137,14 +137,14 @@ def test_at_shutdown_a_request_not_yet_begun_is_503_even_with_a_row_free(run):
 
 
 def test_a_failure_while_generating_fails_those_requests_and_the_next_are_served(run, monkeypatch, capsys):
-    import gptforge.serve.batcher as batcher_module
+    import gptforge.model.engine as engine_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in a forward pass")
 
     batcher = Batcher(4, threading.Event())
     with monkeypatch.context() as patched:
-        patched.setattr(batcher_module, "forward_logits", broken)
+        patched.setattr(engine_module, "forward_logits", broken)
         failed = Request(batcher, run, prompt="def", max_tokens=5, n=2)
         batcher.step()
     assert failed.task.ended.is_set() and failed.ends[0].error.status == 500 and len(failed.ends) == 1
@@ -166,11 +166,11 @@ def test_an_infill_ends_where_the_context_does_and_a_completion_goes_on(run):
 
 
 def forcing(monkeypatch, token: int) -> None:
-    """Every forward pass of the batcher makes `token` the most likely next one by far (widening the logits to
+    """Every forward pass of the engine makes `token` the most likely next one by far (widening the logits to
     reach it: this tiny model was trained without FIM, so its logits stop short of the sentinels)."""
-    import gptforge.serve.batcher as batcher_module
+    import gptforge.model.engine as engine_module
 
-    real = batcher_module.forward_logits
+    real = engine_module.forward_logits
 
     def forced(*args, **kwargs):
         logits = real(*args, **kwargs)
@@ -179,7 +179,7 @@ def forcing(monkeypatch, token: int) -> None:
         wider[..., token] = logits.amax() + 100
         return wider
 
-    monkeypatch.setattr(batcher_module, "forward_logits", forced)
+    monkeypatch.setattr(engine_module, "forward_logits", forced)
 
 
 def test_a_generation_ends_at_every_token_the_engine_stops_on_eot_and_each_fim_sentinel(run, monkeypatch):
@@ -214,7 +214,7 @@ def test_choices_and_requests_each_draw_their_own_stream_and_a_seed_repeats_its_
 def test_one_forward_and_one_draw_a_step_take_every_choice_the_rows_and_those_past_the_context(run, monkeypatch):
     """Sampling a row at a time cost its fixed overhead per row, and so did a forward for each choice past the
     context; each such choice still writes what it writes alone."""
-    import gptforge.serve.batcher as batcher_module
+    import gptforge.model.engine as engine_module
 
     past = [  # 36 tokens and more: past the 32-token context
         {"prompt": "x = 1\n" * 12, "max_tokens": 6, "temperature": 0.9, "seed": 5},
@@ -225,17 +225,17 @@ def test_one_forward_and_one_draw_a_step_take_every_choice_the_rows_and_those_pa
         alone.append(Request(b := Batcher(8, threading.Event()), run, **body))
         drain(b, alone[-1])
     draws, forwards = [], []
-    sample, forward = batcher_module.sample_rows, batcher_module.forward_logits
-    monkeypatch.setattr(batcher_module, "sample_rows", lambda x, *a: draws.append(len(x)) or sample(x, *a))
-    monkeypatch.setattr(batcher_module, "forward_logits", lambda m, x, c: forwards.append(len(x)) or forward(m, x, c))
+    sample, forward = engine_module.sample_rows, engine_module.forward_logits
+    monkeypatch.setattr(engine_module, "sample_rows", lambda x, *a: draws.append(len(x)) or sample(x, *a))
+    monkeypatch.setattr(engine_module, "forward_logits", lambda m, x, c: forwards.append(len(x)) or forward(m, x, c))
     batcher = Batcher(8, threading.Event())
     greedy = Request(batcher, run, prompt="def", max_tokens=6, temperature=0, n=2)
     requests = [Request(batcher, run, **body) for body in past]
-    batcher.step()  # each choice's first two tokens: one from its prefill, one from the first decode
+    batcher.step()  # each choice's first token, from its prefill
     draws.clear()
     forwards.clear()
     drain(batcher, greedy, *requests)
-    assert draws == [4] * 4 and forwards == [2, 2] * 4
+    assert draws == [4] * 5 and forwards == [2, 2] * 5
     assert [r.text() for r in requests] == [r.text() for r in alone] and all(r.text() for r in alone)
 
 

@@ -17,21 +17,11 @@ import torch
 from gptforge.checkpoint import Inference
 from gptforge.data.fim import end_ids
 from gptforge.errors import GptforgeError
-from gptforge.model.generate import Sampling, forward_logits, sample_rows
-from gptforge.model.kv_cache import KVCache, RowCache
-from gptforge.runtime.device import autocast
+from gptforge.model.engine import Engine, Sequence
+from gptforge.model.sampling import Sampling
 from gptforge.serve.jobs import Done, Event, Failed, Job, Started, Text
 from gptforge.serve.protocol import ApiError
 from gptforge.serve.text import Continuation
-
-
-@dataclass
-class Prefill:
-    """A prompt run once for all of its choices: its cache (None at the full context) and next-token logits."""
-
-    cache: KVCache | None
-    logits: torch.Tensor
-    waiting: int  # choices still to take it
 
 
 @dataclass
@@ -44,43 +34,38 @@ class Task:
     end: Callable[[Event | None], None]  # told how it ended, once, from the batcher's thread
     prompt_tokens: int
     unfinished: int
-    ends: set[int]
     began: bool = False
     completion_tokens: int = 0
     ended: threading.Event = field(default_factory=threading.Event)
-    prefills: dict[int, Prefill] = field(default_factory=dict)
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class Choice:
-    """One completion of one prompt: its tokens (the prompt's first), its text so far, its own random stream."""
+    """One completion of one prompt: the engine's sequence for it and its text so far."""
 
     task: Task
     index: int
-    prompt: int
-    ids: list[int]
     text: Continuation
-    rule: Sampling
-    generator: torch.Generator
-    new: int = 0  # tokens generated
+    seq: Sequence = field(init=False)
 
 
 class Batcher:
-    """Decodes up to `capacity` choices at a time, all of one model (requests for another wait their turn: the
-    batch switches when it empties); the rest wait in arrival order."""
+    """Hands up to `capacity` choices at a time to the engine of their model (requests for another wait their turn:
+    the engine switches when it empties); the rest wait in arrival order. Deadlines, cancellation and the events
+    a request reports are kept here; decoding is the engine's."""
 
     def __init__(self, capacity: int, stopping: threading.Event) -> None:
         self.capacity, self.stopping = capacity, stopping
         self._cond = threading.Condition()
         self._waiting: deque[Choice] = deque()
-        self._run: Inference | None = None  # the model the batch decodes
-        self._cache: RowCache | None = None
-        self._rows: list[Choice] = []  # row i of the cache
-        self._past: list[Choice] = []  # past the context: each recomputes its last block_size tokens a step
+        self._run: Inference | None = None  # the model the engine decodes
+        self._engine: Engine | None = None
+        self._in: dict[Sequence, Choice] = {}  # the choices handed to the engine
 
     @property
     def generating(self) -> int:
-        return len(self._rows) + len(self._past)
+        return len(self._in)
 
     def start(self) -> None:
         threading.Thread(target=self._serve, daemon=True, name="gptforge-batcher").start()
@@ -92,22 +77,27 @@ class Batcher:
         req = job.req
         seed = secrets.randbits(63) if req.seed is None else req.seed % 2**63
         seeds = torch.randint(2**62, (len(prompts) * req.n,), generator=torch.Generator().manual_seed(seed))
-        task = Task(job, run, started, end, sum(map(len, prompts)), len(seeds), end_ids(run.tokenizer))
-        choices = [
-            Choice(
-                task,
-                index=p * req.n + j,
-                prompt=p,
-                ids=list(ids),
-                text=Continuation(run.tokenizer, req.stop),
-                rule=Sampling(req.temperature, req.top_k, req.top_p),
-                generator=torch.Generator(device=run.device).manual_seed(int(seeds[p * req.n + j])),
-            )
-            for p, ids in enumerate(prompts)
-            for j in range(req.n)
-        ]
+        task = Task(job, run, started, end, sum(map(len, prompts)), len(seeds))
+        ends = frozenset(end_ids(run.tokenizer))
+        # Past the context the window would slide past an infill's sentinels or the template's opening of a chat.
+        slides = req.suffix is None and req.messages is None
+        for p, ids in enumerate(prompts):
+            for j in range(req.n):
+                choice = Choice(task, index=p * req.n + j, text=Continuation(run.tokenizer, req.stop))
+                choice.seq = Sequence(
+                    list(ids),
+                    req.max_tokens,
+                    Sampling(req.temperature, req.top_k, req.top_p),
+                    torch.Generator(device=run.device).manual_seed(int(seeds[p * req.n + j])),
+                    ends,
+                    slides=slides,
+                    prompt_key=(id(task), p),  # the prompt is prefilled once for its n choices
+                    watch=functools.partial(self._take, choice),
+                    ended=functools.partial(self._left, choice),
+                )
+                task.choices.append(choice)
         with self._cond:
-            self._waiting.extend(choices)
+            self._waiting.extend(task.choices)
             self._cond.notify()
         return task
 
@@ -119,20 +109,27 @@ class Batcher:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Let in the choices that fit, then decode one token for every choice in the batch."""
+        """Let in the choices that fit, then the engine takes one token for every choice it holds."""
         entering: list[Choice] = []
         try:
             entering = self._admit()
             for choice in entering:
                 self._enter(choice)
-            self._decode()
+            self._expire()
+            if self._engine is not None and self._engine.busy:
+                self._engine.step()
+        except GptforgeError as e:  # the model has diverged: the server is fine, this model is not
+            self._fail_all(entering, ApiError(503, str(e), None, "model_unavailable"))
         except Exception:  # noqa: BLE001 - a bug fails the requests in the batch, not the server
             traceback.print_exc()
-            error = ApiError(500, "internal error in gptforge serve (its log has the traceback)")
-            tasks = {id(c.task): c.task for c in [*entering, *self._rows, *self._past]}
-            self._rows, self._past, self._run, self._cache = [], [], None, None  # the next batch starts afresh
-            for task in tasks.values():
-                self._fail(task, error)
+            self._fail_all(entering, ApiError(500, "internal error in gptforge serve (its log has the traceback)"))
+
+    def _fail_all(self, entering: list[Choice], error: ApiError) -> None:
+        """Fail every request with a choice in the engine; the next batch starts afresh."""
+        tasks = {id(c.task): c.task for c in [*entering, *self._in.values()]}
+        self._in, self._run, self._engine = {}, None, None
+        for task in tasks.values():
+            self._fail(task, error)
 
     def _admit(self) -> list[Choice]:
         """The waiting choices that join the batch now; those that cannot wait longer are ended."""
@@ -144,7 +141,7 @@ class Batcher:
             self._waiting = deque(c for c in self._waiting if id(c) not in gone)
             if not self.generating and self._waiting and self._waiting[0].task.run is not self._run:
                 self._run = self._waiting[0].task.run
-                self._cache = RowCache(self._run.model.config, self.capacity, self._run.device)
+                self._engine = Engine(self._run.model, rows=self.capacity, dtype=self._run.dtype)
             taken = []
             while (
                 self._waiting
@@ -178,110 +175,39 @@ class Batcher:
             task.began = True
             task.job.emit(task.started)
         if task.job.req.echo:
-            task.job.emit(Text(choice.index, task.run.tokenizer.decode(choice.ids)))
+            task.job.emit(Text(choice.index, task.run.tokenizer.decode(choice.seq.ids[: choice.seq.prompt_tokens])))
 
     def _enter(self, choice: Choice) -> None:
-        """Start a choice: its request's first event, its echo, its prompt's prefill and first token; then a row."""
+        """Start a choice: its request's first event and its echo; then the engine prefills it when a row is free."""
         if choice.task.ended.is_set():
             return
         self._begin(choice)
         if self._out_of_time(choice.task.job):
             self._finish(choice, "length")
             return
-        prefill = self._prefill(choice)
-        tokens = self._sample([choice], prefill.logits[None])
-        if tokens is None or self._take(choice, tokens[0]):
-            return
-        if prefill.cache is not None:
-            self._cache.add(prefill.cache)
-            self._rows.append(choice)
-        else:
-            self._slide(choice)
+        self._in[choice.seq] = choice
+        self._engine.submit(choice.seq)
 
-    def _prefill(self, choice: Choice) -> Prefill:
-        """The prompt's cache and logits, computed by its first choice and shared by the other n - 1."""
-        task, model = choice.task, choice.task.run.model
-        prefill = task.prefills.get(choice.prompt)
-        if prefill is None:
-            block = model.config.block_size
-            cache = KVCache(model.config, 1, task.run.device) if len(choice.ids) < block else None
-            idx = torch.tensor([choice.ids[-block:]], device=task.run.device)
-            with autocast(task.run.device, task.run.dtype):
-                logits = forward_logits(model, idx, cache)[0, -1]
-            prefill = task.prefills[choice.prompt] = Prefill(cache, logits, task.job.req.n)
-        prefill.waiting -= 1
-        if not prefill.waiting:
-            del task.prefills[choice.prompt]
-        return prefill
-
-    def _decode(self) -> None:
-        """One token for every choice in the batch: the cached rows in one forward, those past the context in another,
-        then every choice's token in one draw."""
-        for choice in [*self._rows, *self._past]:
+    def _expire(self) -> None:
+        """End the choices whose client went away or whose time is up before the engine's next token."""
+        for choice in list(self._in.values()):
             if choice.task.job.cancel.is_set():
                 self._cancel(choice.task)
             elif not choice.task.ended.is_set() and self._out_of_time(choice.task.job):
                 self._remove(choice)
                 self._finish(choice, "length")
-        run = self._run
-        block = run.model.config.block_size if run else 0
-        lengths = self._cache.lengths if self._cache else []
-        for choice in [c for c, n in zip(self._rows, lengths, strict=True) if n == block]:
-            self._remove(choice)
-            self._slide(choice)
-        rows, past = list(self._rows), [c for c in self._past if not c.task.ended.is_set()]
-        if not rows and not past:
-            return
-        logits = []
-        with autocast(run.device, run.dtype):
-            if rows:
-                idx = torch.tensor([[c.ids[-1]] for c in rows], device=run.device)
-                logits.append(forward_logits(run.model, idx, self._cache)[:, -1])
-            if past:  # each exactly block_size tokens; batched, its logits round as the cached rows' do (~1e-7)
-                idx = torch.tensor([c.ids[-block:] for c in past], device=run.device)
-                logits.append(forward_logits(run.model, idx, None)[:, -1])
-        # One draw for all: a draw per row past the context paid sample_rows' fixed cost once for each.
-        for choice, token in zip(rows + past, self._sample(rows + past, torch.cat(logits)) or [], strict=False):
-            if not choice.task.ended.is_set() and self._take(choice, token):
-                self._remove(choice)
 
-    def _slide(self, choice: Choice) -> None:
-        """The choice fills the context: a completion goes on recomputing its last block_size tokens each step; an
-        infill or a chat reply ends ("length"), since the window sliding past its start would drop its FIM sentinels
-        or the template's opening of the conversation."""
-        req = choice.task.job.req
-        if req.suffix is None and req.messages is None:
-            self._past.append(choice)
-        else:
-            self._finish(choice, "length")
+    def _take(self, choice: Choice, seq: Sequence, token: int, stop: bool) -> bool:
+        """Report the choice's next token (the engine's watcher); True when a stop sequence ended it."""
+        choice.task.job.finish_part(choice.index, choice.text, "stop" if stop else None, token)
+        return choice.text.finish_reason is not None
 
-    def _sample(self, choices: list[Choice], logits: torch.Tensor) -> list[int] | None:
-        """Each choice's next token by its own rule and random stream; None when the model has diverged (then
-        their requests have failed)."""
-        uniforms = None
-        if not all(c.rule.greedy for c in choices):
-            draw = functools.partial(torch.rand, (), dtype=torch.float64, device=logits.device)
-            unused = torch.zeros((), dtype=torch.float64, device=logits.device)  # a greedy row draws nothing
-            uniforms = torch.stack([unused if c.rule.greedy else draw(generator=c.generator) for c in choices])
-        try:
-            return sample_rows(logits, [c.rule for c in choices], uniforms).tolist()
-        except GptforgeError as e:  # the server is fine, this model is not
-            for choice in choices:
-                self._fail(choice.task, ApiError(503, str(e), None, "model_unavailable"))
-            return None
-
-    def _take(self, choice: Choice, token: int) -> bool:
-        """Report the choice's next token; True when that ended the choice."""
-        task, req = choice.task, choice.task.job.req
-        choice.ids.append(token)
-        choice.new += 1
-        task.job.finish_part(choice.index, choice.text, "stop" if token in task.ends else None, token)
-        if choice.text.finish_reason is None and choice.new >= req.max_tokens:
-            task.job.finish_part(choice.index, choice.text, "length")
-        if choice.text.finish_reason is not None:
-            self._ended(choice)
-            return True
-        return False
+    def _left(self, choice: Choice, seq: Sequence) -> None:
+        """The engine ended the choice: at a stop (reported as its token came) or its length."""
+        self._in.pop(seq, None)
+        if choice.text.finish_reason is None:
+            choice.task.job.finish_part(choice.index, choice.text, seq.finish)
+        self._ended(choice)
 
     def _finish(self, choice: Choice, reason: str) -> None:
         if not choice.task.job.cancel.is_set():
@@ -306,24 +232,17 @@ class Batcher:
         """End the task: none of its choices stays in the batch or waits."""
         if task.ended.is_set():
             return
-        for choice in [c for c in [*self._rows, *self._past] if c.task is task]:
+        for choice in task.choices:
             self._remove(choice)
         with self._cond:
             self._waiting = deque(c for c in self._waiting if c.task is not task)
-        task.prefills.clear()
         task.ended.set()
         task.end(result)
 
     def _remove(self, choice: Choice) -> None:
-        """Take a choice out of the batch (a no-op if it is not in it); its row goes to the last row in use."""
-        if choice in self._past:
-            self._past.remove(choice)
-        elif choice in self._rows:
-            row = self._rows.index(choice)
-            self._cache.remove(row)
-            last = self._rows.pop()
-            if row < len(self._rows):
-                self._rows[row] = last
+        """Take a choice out of the engine (a no-op if it is not in it), freeing its row."""
+        if self._in.pop(choice.seq, None) is not None:
+            self._engine.remove(choice.seq)
 
     def _out_of_time(self, job: Job) -> bool:
         return self.stopping.is_set() or time.monotonic() >= job.deadline
