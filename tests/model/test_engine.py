@@ -161,3 +161,19 @@ def test_a_prompt_key_used_again_after_its_sequences_took_their_prefill_gets_a_f
     later = Sequence([9, 9, 9, 9], 5, prompt_key="k")
     engine.run(later)
     assert later.ids == naive_greedy(model, [9, 9, 9, 9], 5)
+
+
+@pytest.mark.parametrize("decode", ["static", "compiled"])
+def test_the_static_and_compiled_steps_write_what_a_naive_loop_writes(decode):
+    """Fixed shapes: a mask over the whole context, batches padded to a power of two (3 rows decode as 4)."""
+    model = tiny(MODERN)
+    budgets = [9, 4, 12, 16, 2, 10]
+    seqs = [Sequence(list(p), n) for p, n in zip(PROMPTS, budgets, strict=True)]
+    Engine(model, rows=3 if decode == "static" else 1, decode=decode).run(*seqs)
+    for seq, prompt, n in zip(seqs, PROMPTS, budgets, strict=True):
+        assert seq.ids == naive_greedy(model, prompt, n), prompt
+
+
+def test_an_unknown_decode_is_refused():
+    with pytest.raises(ValueError, match="decode='fast': expected one of rows, static, compiled"):
+        Engine(tiny(), decode="fast")

@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from gptforge.model.gpt import GPT
-from gptforge.model.kv_cache import KVCache, RowCache
+from gptforge.model.kv_cache import KVCache, RowCache, StaticCache
 from gptforge.model.sampling import Sampling, forward_logits, sample_rows
 from gptforge.runtime.device import autocast
 
 GREEDY = Sampling(temperature=0.0)
+# How the batch decodes: "rows" attends each row to its own positions (no mask, eager); "static" keeps fixed
+# shapes (a mask over a static cache, batches padded to a power of two), which "compiled" compiles once per size.
+DECODES = ("rows", "static", "compiled")
 STOP, LENGTH = "stop", "length"  # why a sequence ended: a stop (an end id, or its watcher's word), or its budget
 
 
@@ -60,11 +63,21 @@ class _Prefill:
 class Engine:
     """Decodes up to `rows` sequences at a time with one model; the rest wait in arrival order."""
 
-    def __init__(self, model: GPT, rows: int = 16, dtype: torch.dtype | None = None, use_cache: bool = True) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        rows: int = 16,
+        dtype: torch.dtype | None = None,
+        use_cache: bool = True,
+        decode: str = "rows",
+    ) -> None:
+        if decode not in DECODES:
+            raise ValueError(f"decode={decode!r}: expected one of {', '.join(DECODES)}")
         self.model, self.capacity, self.dtype, self.use_cache = model, rows, dtype, use_cache
         self.device = next(model.parameters()).device
         self.block = model.config.block_size
-        self.cache = RowCache(model.config, rows, self.device)
+        self.cache = (RowCache if decode == "rows" else StaticCache)(model.config, rows, self.device)
+        self._decode = _compiled_step() if decode == "compiled" else forward_logits
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # row i of the cache
         self.past: list[Sequence] = []  # past the context (or uncached): each recomputes its window a step
@@ -114,7 +127,7 @@ class Engine:
                 self.rows.append(seq)
             else:
                 self._slide(seq)
-        for seq in [s for s, n in zip(self.rows, self.cache.lengths, strict=True) if n == self.block]:
+        for seq in [s for s in self.rows if len(s.ids) - 1 == self.block]:  # its cache holds all but its last id
             self._drop_row(seq)
             self._slide(seq)
         while self.waiting and len(self.active) < self.capacity:
@@ -126,14 +139,23 @@ class Engine:
         logits = []
         with self._precision():
             if rows:
-                idx = torch.tensor([[s.ids[-1]] for s in rows], device=self.device)
-                logits.append(forward_logits(self.model, idx, self.cache)[:, -1])
+                logits.append(self._decode_rows(rows))
             for group in _by_length(self.past, self.block):  # a batch of windows needs one length
                 idx = torch.tensor([s.ids[-self.block :] for s in group], device=self.device)
                 logits.append(forward_logits(self.model, idx, None)[:, -1])
         # One draw for all: a draw per row paid sample_rows' fixed cost once for each.
         for seq, token in zip(rows + past, self._sample(rows + past, torch.cat(logits)), strict=True):
             self._take(seq, token)
+
+    def _decode_rows(self, rows: list[Sequence]) -> torch.Tensor:
+        """The rows' next-token logits, one forward over the cache."""
+        last = [s.ids[-1] for s in rows]
+        if isinstance(self.cache, StaticCache):
+            batch = min(1 << (len(rows) - 1).bit_length(), self.capacity)  # a compiled size, padded
+            self.cache.decode(batch)
+            last += [0] * (batch - len(rows))
+        idx = torch.tensor(last, device=self.device)[:, None]
+        return self._decode(self.model, idx, self.cache)[: len(rows), -1]
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out (waiting or in the batch) without ending it: its row is freed; a no-op if it is gone."""
@@ -225,3 +247,9 @@ def _by_length(seqs: list[Sequence], block: int) -> list[list[Sequence]]:
     for seq in seqs:
         groups.setdefault(min(len(seq.ids), block), []).append(seq)
     return list(groups.values())
+
+
+@functools.cache
+def _compiled_step() -> Callable:
+    """`forward_logits` compiled once per process (each batch size and model shape a graph of its own)."""
+    return torch.compile(forward_logits, dynamic=False, fullgraph=True)

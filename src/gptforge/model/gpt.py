@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from gptforge.model.fused_loss import linear_cross_entropy
-from gptforge.model.kv_cache import KVCache, RowCache
+from gptforge.model.kv_cache import KVCache, RowCache, StaticCache
 
 
 @dataclass
@@ -191,7 +191,7 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope=None,
-        cache: KVCache | RowCache | None = None,
+        cache: KVCache | RowCache | StaticCache | None = None,
         layer: int = 0,
         allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -208,7 +208,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         p = self.dropout if self.training else 0.0
-        if isinstance(cache, RowCache):
+        if isinstance(cache, RowCache | StaticCache):
             y = cache.attend(q, k, v)
         elif allowed is not None and x.device.type == "cpu":
             y = explicit_causal_attention(q, k, v, p, allowed)
@@ -256,7 +256,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         rope=None,
-        cache: KVCache | RowCache | None = None,
+        cache: KVCache | RowCache | StaticCache | None = None,
         layer: int = 0,
         allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -320,7 +320,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        cache: KVCache | RowCache | None = None,
+        cache: KVCache | RowCache | StaticCache | None = None,
         all_logits: bool = False,
         docs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

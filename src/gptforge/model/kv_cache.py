@@ -1,5 +1,5 @@
 """KV caches for generation: one sequence batch growing a token at a time (KVCache), and rows holding separate
-sequences of their own lengths for continuous batching (RowCache)."""
+sequences of their own lengths for continuous batching (RowCache; StaticCache, of fixed shapes, for a compiled step)."""
 
 from __future__ import annotations
 
@@ -136,3 +136,63 @@ class RowCache:
     def advance(self, T: int) -> None:
         self.lengths = [n + T for n in self.lengths]
         self._lengths = None
+
+
+class StaticCache:
+    """Rows of separate sequences in tensors of fixed shape, for a decode step compiled once per batch size: each
+    row writes its key and value at its own position and attends to the positions up to it through a mask. The
+    first `batch` rows decode (the rows in use, padded to a size compiled for); `length` is 0, as the engine keeps
+    every row inside the context (a number that changed every step would recompile the step)."""
+
+    length = 0
+
+    def __init__(self, cfg: Shape, capacity: int, device: torch.device) -> None:
+        self.shape = (cfg.n_layer, 2, capacity, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.device, self.block = device, cfg.block_size
+        self.kv: torch.Tensor | None = None  # in the prompt's dtype, at the first row added
+        self.filled = torch.zeros(capacity, dtype=torch.long, device=device)  # positions filled, per row
+        self.rows = 0  # rows in use: 0 .. rows-1
+        self.batch = 1
+
+    def add(self, prompt: KVCache) -> int:
+        """Copy a one-sequence cache into the next free row; returns the row."""
+        if self.rows == self.shape[2]:
+            raise ValueError(f"every one of the {self.shape[2]} rows is in use")
+        if self.kv is None:
+            self.kv = torch.zeros(self.shape, device=self.device, dtype=prompt.kv.dtype)
+        row, n = self.rows, prompt.pos
+        self.kv[:, :, row, :, :n] = prompt.kv[:, :, 0, :, :n]
+        self.filled[row] = n
+        self.rows += 1
+        return row
+
+    def remove(self, row: int) -> None:
+        """Free `row`: the last row in use moves into it."""
+        last = self.rows - 1
+        if row != last:
+            self.kv[:, :, row] = self.kv[:, :, last]
+            self.filled[row] = self.filled[last]
+        self.rows -= 1
+
+    def decode(self, batch: int) -> None:
+        """The next step decodes the first `batch` rows; those past the rows in use pad, writing at position 0."""
+        self.batch = batch
+        self.filled[self.rows : batch] = 0
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        if T != 1:
+            raise ValueError("a static cache decodes one token per row; fill each row's prompt with a KVCache")
+        return self.filled[: self.batch, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, at = torch.arange(self.batch, device=k.device), self.filled[: self.batch]
+        self.kv[layer, 0][rows, :, at] = k[:, :, 0]
+        self.kv[layer, 1][rows, :, at] = v[:, :, 0]
+        return self.kv[layer, 0, : self.batch], self.kv[layer, 1, : self.batch]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen = torch.arange(self.block, device=q.device) <= self.filled[: self.batch, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None, :])
+
+    def advance(self, T: int) -> None:
+        self.filled[: self.batch] += T

@@ -1,0 +1,191 @@
+"""Decoding speed of one checkpoint: gptforge's engine against llama.cpp (the same weights as GGUF, f32 and q8_0)
+and `transformers` (the same weights as an HF folder), interleaved round by round in one process.
+
+    python benchmarks/decode.py RUN_OR_CKPT [--threads 2] [--new-tokens 128] [--rounds 3] [--batches 1,8,32]
+        [--device cpu] [--dtype float32] [--no-llama] [--no-hf] [--json OUT.json]
+
+Per candidate: greedy decode tokens/s and ms a token at each batch (a prompt's prefill excluded), prefill tokens/s
+and time to first token for a prompt of half the context. llama.cpp runs batch 1 only (its Python binding decodes
+one sequence). The host's matmul peaks are recorded beside the figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gptforge.checkpoint import load_checkpoint
+from gptforge.model.engine import Engine, Sequence
+from gptforge.runtime.device import resolve_device
+from gptforge.runtime.threads import sustained_matmul_flops
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+
+
+class Ours:
+    """gptforge's engine: the rows of a batch decode together, each from its own copy of the prompt."""
+
+    name = "gptforge"
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+
+    def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
+        """(seconds to the first token of every row, seconds for the rest)."""
+        engine = Engine(self.model, rows=batch, dtype=self.dtype)
+        seqs = [Sequence(list(prompt), new) for _ in range(batch)]
+        engine.submit(*seqs)
+        start = time.perf_counter()
+        engine.step()
+        first = time.perf_counter()
+        while engine.busy:
+            engine.step()
+        _sync(self.model)
+        return first - start, time.perf_counter() - first
+
+
+class Llama:
+    """llama.cpp through llama-cpp-python on a GGUF of the same weights, greedy, one sequence."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, kind: str) -> None:
+        import llama_cpp
+
+        self.name = f"llama.cpp {kind}"
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        first = time.perf_counter()
+        for _ in range(new - 1):
+            self.llm.eval([token])
+            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        return first - start, time.perf_counter() - first
+
+
+class Transformers:
+    """`transformers`' generate on an HF export of the same weights, greedy, its default (dynamic) cache."""
+
+    name = "transformers"
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+        self.device = device
+
+    def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
+        ids = torch.tensor([prompt] * batch, device=self.device)
+        kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        with torch.no_grad():
+            start = time.perf_counter()
+            self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            _sync(self.model)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+            _sync(self.model)
+        return first, time.perf_counter() - start - first
+
+
+def _sync(model) -> None:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(candidates: list, cases: list[tuple[list[int], int, int]], rounds: int) -> dict[str, dict]:
+    """Median seconds over `rounds`, the candidates taking turns case by case so a slow spell hits all alike."""
+    times: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for _ in range(rounds):
+        for prompt, new, batch in cases:
+            for cand in candidates:
+                if batch > 1 and isinstance(cand, Llama):
+                    continue
+                times.setdefault((cand.name, len(prompt), batch), []).append(cand.decode(prompt, new, batch))
+    out: dict[str, dict] = {}
+    for (name, prompt_len, batch), runs in times.items():
+        first = statistics.median(f for f, _ in runs)
+        rest = statistics.median(r for _, r in runs)
+        new = next(n for p, n, b in cases if len(p) == prompt_len and b == batch)
+        out.setdefault(name, {})[f"prompt {prompt_len}, batch {batch}"] = {
+            "first_token_ms": round(1000 * first, 2),
+            "prefill_tokens_per_s": round(batch * prompt_len / first, 1),
+            "ms_per_step": round(1000 * rest / (new - 1), 3),
+            "tokens_per_s": round(batch * (new - 1) / rest, 1),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device, dtype = resolve_device(args.device, "--device"), getattr(torch, args.dtype)
+    model, tok, _, meta = load_checkpoint(args.checkpoint, device)
+    block = model.config.block_size
+    new = min(args.new_tokens, block // 2)
+    short = tok.encode(PROMPT)
+    long = (tok.encode(PROMPT * 64))[: block // 2]
+    cases = [(short, new, b) for b in map(int, args.batches.split(","))] + [(long, new, 1)]
+    candidates: list = [Ours(model, dtype)]
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.no_llama and device.type == "cpu":
+            from gptforge.hub.gguf_export import write_gguf
+
+            for kind in ("f32", "q8_0"):
+                path = write_gguf(model, tok, Path(tmp) / f"{kind}.gguf", kind, "bench")
+                candidates.append(Llama(path, args.threads, block, kind))
+        if not args.no_hf:
+            from gptforge.hub.convert import export_hf
+
+            candidates.append(Transformers(export_hf(model, tok, Path(tmp) / "hf"), device, dtype))
+        measure(candidates, [(short, 8, 1)], 1)  # warm-up: first calls allocate and load kernels
+        result = measure(candidates, cases, args.rounds)
+    peaks = {
+        name: round(sustained_matmul_flops(args.threads, d) / 1e9, 1)
+        for name, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+    report = {
+        "checkpoint": str(args.checkpoint),
+        "step": meta["step"],
+        "parameters": model.num_params(),
+        "host": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "device": str(device),
+        "dtype": args.dtype,
+        "matmul_gflops": peaks,
+        "results": result,
+    }
+    ours = result["gptforge"]
+    for name, cases_done in result.items():
+        for case, r in cases_done.items():
+            ratio = ours[case]["tokens_per_s"] / r["tokens_per_s"] if case in ours else float("nan")
+            print(f"{name:16} {case:22} {r['tokens_per_s']:10,.1f} tokens/s {r['ms_per_step']:8.3f} ms/step "
+                  f"first token {r['first_token_ms']:8.2f} ms  (gptforge {ratio:.2f}x)")  # fmt: skip
+    print(f"host matmul peaks on {args.threads} threads: {peaks['fp32']} GFLOP/s fp32, {peaks['bf16']} bf16")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
