@@ -112,6 +112,31 @@ def test_bad_input_gives_one_line_error(tmp_path, args, code, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--a=SECRETKEY"],  # ambiguous between --api-key and --allow-host: argparse echoed the option as given
+        ["--api=SECRETKEY"],  # an abbreviation argparse took for --api-key: one letter less would have echoed it
+        ["--apikey", "SECRETKEY"],
+        ["--apikey=SECRETKEY"],
+        ["--api_key", "SECRETKEY", "--port", "1", "-k", "SECRETKEY"],
+    ],
+)
+def test_a_mistyped_api_key_flag_is_named_but_the_key_never_shown(capsys, given):
+    """`serve RUN --apikey KEY` said "unrecognized arguments: --apikey KEY": the key landed in terminals and logs."""
+    from gptforge.cli.parser import build_parser
+
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["serve", "RUN", *given])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and "SECRETKEY" not in out + err and err.count("\n") == 1, err
+    flag = given[0].partition("=")[0]
+    assert f"unrecognized arguments: {flag} (its value not shown)" in err, err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "RUN", "extra", "--port", "1"])
+    assert "unrecognized arguments: extra (see gptforge --help)" in capsys.readouterr().err
+
+
 def test_gpu_out_of_memory_is_a_one_line_error_with_the_remedy(monkeypatch, capsys):
     import torch
 
@@ -466,3 +491,15 @@ def test_speedrun_and_demo_refuse_an_empty_out(tmp_path, monkeypatch, capsys):
         assert main([*command, "--out", "", "--force"]) == 1
         assert "--out '': empty" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "args", [["--data", ""], ["--chat", "--data", ""], ["--chat", "--base", ""], ["--chat", "--data", "  "]]
+)
+def test_the_demo_names_an_empty_data_or_base_as_itself(tmp_path, monkeypatch, capsys, args):
+    """`demo --data ''` said "--out runs/demo: inside ., which this command reads": the wrong flag, no fix."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", *args]) == 1
+    err = capsys.readouterr().err
+    assert err == f"gptforge demo: error: {args[-2]} {args[-1]!r}: empty (expected a folder name)\n", err
+    assert list(tmp_path.iterdir()) == []

@@ -97,17 +97,17 @@ def test_the_demo_ends_with_next_commands_that_the_cli_accepts(tmp_path):
     assert build_parser().parse_args(shlex.split(commands[1], comments=True)[1:]).data == str(data)
 
 
-def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path, corpus_dir, monkeypatch, capsys):
+def _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch):
+    """The chat demo's --data (the corpus with its own BPE) and --base (a tiny run on it); the corpus's files stand
+    in for the stdlib's."""
     from tests.train.test_finetune import base_config
 
     import gptforge.demo
-    from gptforge.checkpoint import latest_checkpoint, load_checkpoint
     from gptforge.data.prepare import prepare
     from gptforge.data.prepare_settings import PrepareSettings
-    from gptforge.data.shards import read_manifest
     from gptforge.train.trainer import train
 
-    data, base, out = tmp_path / "data" / "stdlib", tmp_path / "runs" / "demo", tmp_path / "runs" / "demo-chat"
+    data, base = tmp_path / "data" / "stdlib", tmp_path / "runs" / "demo"
     prepare(PrepareSettings.from_flags(str(corpus_dir), val_fraction=0.1, train_tokenizer=400), data, workers=1)
     cfg = base_config(data)  # with the context of the demo's model: a function's request and reply fit
     train(
@@ -118,9 +118,18 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
         ),
         base,
     )
-    files = sorted(corpus_dir.glob("*.py"))  # the corpus's files stand in for the stdlib's
+    files = sorted(corpus_dir.glob("*.py"))
     monkeypatch.setattr(gptforge.demo, "stdlib_documents", lambda: ((f.name, f.read_text()) for f in files))
     monkeypatch.setattr(gptforge.demo, "VAL_FRACTION", 0.2)
+    return data, base
+
+
+def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path, corpus_dir, monkeypatch, capsys):
+    from gptforge.checkpoint import latest_checkpoint, load_checkpoint
+    from gptforge.data.shards import read_manifest
+
+    data, base = _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch)
+    out = tmp_path / "runs" / "demo-chat"
     tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=1", "train.batch_tokens=256", "eval.every=0"]
     args = ["demo", "--chat", "--base", str(base), "--data", str(data), "--out", str(out)]
     assert main([*args, *sum((["--set", s] for s in tiny), [])]) == 0
@@ -156,6 +165,24 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
             f"{layers}" in err
         ), err
     assert not (tmp_path / "new-base").exists() and load_checkpoint(out)[3]["step"] == 1  # nothing trained
+
+
+def test_a_chat_demo_refused_once_its_out_is_locked_leaves_nothing_it_made(tmp_path, corpus_dir, monkeypatch, capsys):
+    """A --set that train refuses is met after the demo locked --out: the folders made for the run stayed, holding
+    nothing but the lock file."""
+    data, base = _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch)
+    out = tmp_path / "new" / "demo-chat"
+    args = ["demo", "--chat", "--base", str(base), "--data", str(data), "--out", str(out)]
+    refused = [*args, "--set", "train.batch_tokens=3"]
+    assert main(refused) == 1
+    assert "train.batch_tokens=3 must be a positive multiple" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)  # an empty folder of the user's stays, without a lock file
+    assert main(refused) == 1
+    assert list(out.iterdir()) == []
+    (out / "notes.txt").write_text("mine")  # replaced only once a run completes: no empty temp folder beside it
+    assert main([*refused, "--force"]) == 1
+    assert [p.name for p in out.parent.iterdir()] == ["demo-chat"] and [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_another_tokenizer(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import shlex
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,7 +24,18 @@ from gptforge.data.report import summarize
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, is_empty_dir, locked, named, replacing_dir, to_json, write_json
+from gptforge.files import (
+    LOCK,
+    atomic_write,
+    is_empty_dir,
+    locked,
+    named,
+    replacing_dir,
+    temp_dir_path,
+    to_json,
+    write_json,
+)
+from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
 from gptforge.outputs import check_output_dir, output_folder
 from gptforge.report.plot import plot_runs
@@ -51,14 +64,14 @@ def run_demo(
     preset: str | None = None,
 ) -> dict:
     """Train into `out` (new or empty; with `force` a non-empty one is replaced once the new run is complete)."""
-    out_dir, data_dir = output_folder(out), Path(data)
+    out_dir, data_dir = output_folder(out), output_folder(data, "--data")  # '' would be the current folder
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir], is_run=True)  # --force replaces the demo's run
     stdlib = PrepareSettings.from_flags("stdlib", val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
     manifest = prepare(stdlib, data_dir)  # reused when unchanged
     print(summarize(manifest, data_dir).replace("(see report.md)", f"(see {data_dir / 'report.md'})"), flush=True)
-    with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
+    with training_in(out_dir) as run_dir:
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
 
@@ -105,6 +118,29 @@ def run_demo(
     return summary
 
 
+@contextlib.contextmanager
+def training_in(out_dir: Path) -> Iterator[Path]:
+    """Lock `out_dir` and yield the folder to train in (`replacing_dir`'s). A run that fails before writing a file
+    (a --set that train refuses) leaves none of the folders made for it, nor its lock file."""
+    made = [p for p in (out_dir, *out_dir.parents) if not (p.exists() or p.is_symlink())]  # innermost first
+    lock_was_there = (out_dir / LOCK).exists()
+    with locked(out_dir, "demo"):
+        in_place = is_empty_dir(out_dir)  # else the run is built in a temp folder that replaces it once complete
+        try:
+            with replacing_dir(out_dir) as run_dir:
+                yield run_dir
+        except BaseException:
+            # With the lock still held: no other demo has started in what is removed.
+            if not in_place and is_empty_dir(temp_dir_path(out_dir)):
+                shutil.rmtree(temp_dir_path(out_dir), ignore_errors=True)
+            if not lock_was_there and (not in_place or is_empty_dir(out_dir)):
+                (out_dir / LOCK).unlink(missing_ok=True)
+            for folder in made:  # a folder that holds a failed attempt's files is not empty, and stays
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+
 def wrap_up(result: TrainResult, run_dir: Path, data_dir: Path) -> str:
     """What a finished `gptforge train` leaves beside its checkpoints, as the demo does: loss.png and summary.json,
     and the commands that go on from it."""
@@ -136,7 +172,7 @@ SHOWN_REPLIES = 2
 def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, overrides: list[str], force: bool) -> dict:
     """Fine-tune the demo's model (`base`, trained first when it has no checkpoint) on conversations built from the
     training split's documented functions; print replies to held-out requests."""
-    base_dir, data_dir, out_dir = Path(base), Path(data), Path(out)
+    base_dir, data_dir, out_dir = output_folder(base, "--base"), output_folder(data, "--data"), Path(out)
     chat_data = named(data_dir).with_name(f"{named(data_dir).name}-chat")
     check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir], is_run=True)
     _check_base_shape(base_dir, overrides)
@@ -149,11 +185,11 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     start = [f"data.path={chat_data}", f"train.init_from={base_checkpoint}"]
     cfg = load_config(CHAT_PRESET, [*overrides, *budget, *start])
-    with locked(out_dir, "demo"), replacing_dir(out_dir) as run_dir:
+    with training_in(out_dir) as run_dir:
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
     model, tok, _, _ = load_checkpoint(checkpoint)
-    held_out = [row for row in map(json.loads, rows_file.read_text().splitlines()) if row["split"] == "val"]
+    held_out = [row for _, row in read_jsonl(rows_file) if row["split"] == "val"]
     replies = []
     print("\n=== a conversation (held-out functions, temperature 0.2) ===")
     g = torch.Generator().manual_seed(0)

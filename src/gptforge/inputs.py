@@ -18,13 +18,20 @@ from typing import Any, TextIO
 from gptforge.errors import GptforgeError
 
 
-def open_text(path: str | Path, errors: str = "strict") -> TextIO:
+def open_text(path: str | Path, errors: str = "strict", newline: str | None = None) -> TextIO:
     """A UTF-8 text file, gunzipped on the fly when it ends in .gz; a leading byte order mark is dropped. With
-    errors="surrogateescape" a byte that is not UTF-8 reads as a lone surrogate (`not_utf8` names it)."""
+    errors="surrogateescape" a byte that is not UTF-8 reads as a lone surrogate (`not_utf8` names it); `newline` is
+    open()'s (None: \\r, \\n and \\r\\n end a line, read as \\n)."""
     path = Path(path)
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8-sig", errors=errors)
-    return open(path, encoding="utf-8-sig", errors=errors)
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors=errors, newline=newline)
+    return open(path, encoding="utf-8-sig", errors=errors, newline=newline)
+
+
+def open_jsonl(path: str | Path, errors: str = "strict") -> TextIO:
+    """`open_text` for JSONL: a line ends at \\n alone. A bare \\r is JSON whitespace, which universal newlines took
+    for a line break; a \\r\\n's \\r stays on its line, as whitespace."""
+    return open_text(path, errors, newline="\n")
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -110,7 +117,7 @@ def read_jsonl(path: str | Path, torn_tail_ok: bool = False) -> Iterator[tuple[s
 
     `torn_tail_ok` skips a last line that is not JSON and has no newline: what a crash mid-append leaves.
     """
-    with reading(path), open_text(path) as f:
+    with reading(path), open_jsonl(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptforge.data.chat.prepare import ChatSettings, prepare_chat
+from gptforge.data.chat.prepare import ChatSettings, chat_form, prepare_chat
 from gptforge.data.chat.template import with_chat
 from gptforge.data.clean.dedup import DedupSettings
 from gptforge.data.loader import TokenLoader
@@ -303,3 +303,16 @@ def test_a_row_that_is_not_utf8_is_a_bad_row_named_by_its_line_and_the_rest_are_
             "reason": "not valid UTF-8 text (byte 0xe9 at character 21)",
         }
     ]
+
+
+def test_a_bare_carriage_return_in_a_row_neither_splits_it_nor_shifts_the_lines_named(tmp_path):
+    """Rows were split at a bare \\r (JSON whitespace, but a line break to Python's text files): a good row became
+    two bad ones and every later row was named a line too far."""
+    src = tmp_path / "chats.jsonl"
+    row = json.dumps(GOOD[0]).replace(", ", ",\r")
+    src.write_bytes(f"{row}\r\n{{not json\n{json.dumps(GOOD[2])}\n".encode())
+    assert chat_form(str(src)) == "OpenAI messages"
+    manifest = prepare_chat(str(src), tmp_path / "out", ChatSettings(val_fraction=0))
+    assert manifest["splits"]["train"]["docs"] == 2
+    removed = [json.loads(line) for line in (tmp_path / "out" / "removed.jsonl").read_text().split("\n") if line]
+    assert [(r["document"], r["reason"][:8]) for r in removed] == [(f"{src}:2", "not JSON")]

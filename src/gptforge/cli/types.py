@@ -13,10 +13,24 @@ from gptforge.serve.protocol import allowed_host
 
 # Flags whose value may start with '-' (`--ext -md` drops a kind): argparse would read such a value as a flag.
 DASH_VALUE_FLAGS = ("--ext",)
+# How a flag is spelled, told from a value after an unknown one that starts with '-' (secrets.token_urlsafe's can).
+FLAG = re.compile(r"--[a-z][a-z0-9_-]*|-[A-Za-z]")
+HIDDEN = "(its value not shown)"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `gptforge train: error: ... (see --help)`."""
+    """argparse with one-line errors: `gptforge train: error: ... (see --help)`. A flag is only ever its whole name:
+    an abbreviation argparse finds ambiguous is echoed with its value, which may be an --api-key."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # subparsers too: add_subparsers(parser_class=Parser)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(unknown_flags_shown(extras))}")
+        return parsed
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
@@ -27,6 +41,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def unknown_flags_shown(extras: list[str]) -> list[str]:
+    """The unrecognized arguments as an error shows them: a misspelt flag by its name alone, the values attached to
+    or following it hidden (`--apikey KEY` may be the key); other extras as given."""
+    shown: list[str] = []
+    after_flag = False
+    for arg in extras:
+        name, equals, _ = arg.partition("=")
+        if arg.startswith("-") and (not after_flag or FLAG.fullmatch(name)):
+            shown.append(f"{name} {HIDDEN}" if equals else name)
+            after_flag = True
+        elif not after_flag:
+            shown.append(arg)
+        elif not shown[-1].endswith(HIDDEN):
+            shown[-1] = f"{shown[-1]} {HIDDEN}"
+    return shown
 
 
 def file_name(text: str) -> str:

@@ -39,7 +39,7 @@ from gptforge.data.sources import is_data_folder
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, locked
-from gptforge.inputs import not_utf8, open_text, parse_json, printable, reading
+from gptforge.inputs import not_utf8, open_jsonl, parse_json, printable, reading
 from gptforge.outputs import check_output_dir, output_folder
 
 SHOWN_BAD_ROWS = 20
@@ -114,7 +114,7 @@ def chat_form(source: str) -> str | None:
         files = chat_files(source)
     except GptforgeError:
         return None
-    with reading(files[0]), open_text(files[0]) as f:
+    with reading(files[0]), open_jsonl(files[0]) as f:
         first = next((line for line in f if line.strip()), "")
     try:
         row = parse_json(first)
@@ -131,7 +131,7 @@ def read_conversations(files: list[Path], counts: ChatCounts) -> Iterator[tuple[
     """(where, messages, the row's own split or None) for each usable row; bad rows are counted and named."""
     for path in files:
         # a byte that is not UTF-8 spoils its row alone: read on, the row named as other bad rows are
-        with reading(path), open_text(path, errors="surrogateescape") as f:
+        with reading(path), open_jsonl(path, errors="surrogateescape") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
