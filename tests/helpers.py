@@ -1,10 +1,12 @@
 """Helpers shared by test modules: reading a run's losses and weights, running the CLI in a subprocess, a lock
-held by another process, a randomized tiny model."""
+held by another process, a randomized tiny model, a read of a FIFO that cannot hang the suite."""
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -18,6 +20,27 @@ def losses(run_dir, kind="train"):
 
 def cli(*args):
     return [sys.executable, "-m", "gptforge", *map(str, args)]
+
+
+def read_fifo(read, fifo, seconds: float = 10.0):
+    """What `read(fifo)` returned or raised, run in a thread: a read that blocks on the FIFO is released by a writer
+    closing it, and the test fails instead of hanging the suite."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(read(fifo))
+        except Exception as e:  # noqa: BLE001 - the caller checks what was raised
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # end of file for the reader that waits on it
+        thread.join(seconds)
+        raise AssertionError(f"reading {fifo} blocked for {seconds:g}s")
+    return outcome[0]
 
 
 def randomize(model, matrix_std=None):

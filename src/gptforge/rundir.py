@@ -6,7 +6,7 @@ checkpoints/ (see checkpoint.py).
 
 from __future__ import annotations
 
-import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,17 @@ FIELDS = {
 COUNTED = ("tokens", "time", "n", "cases")  # always finite: never null
 
 
+def finite_number(value: Any) -> bool:
+    """A number that is not NaN or infinite and fits a float (JSON's integers have no bound, Python's json reads
+    NaN and Infinity)."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number and -sys.float_info.max <= value <= sys.float_info.max
+
+
 def _number(value: Any, counted: bool) -> bool:
-    return (value is None and not counted) or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    if counted:
+        return finite_number(value)
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 # Names older runs wrote, read under today's: HellaSwag's per-token acc_norm, named so since lm-eval's is per character.
@@ -47,6 +56,8 @@ def read_metrics(
     for where, record in read_jsonl(path, torn_tail_ok=True):
         if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
             raise GptforgeError(f"{where}: expected a JSON object with an integer 'step'")
+        if not isinstance(record.get("kind"), str):  # none, or a list or object: no kind a reader draws
+            continue
         for old, new in OLD_NAMES.get(record.get("kind"), {}).items():
             if old in record and new not in record:
                 record[new] = record.pop(old)
@@ -72,10 +83,12 @@ def val_sources(records: list[dict]) -> list[str]:
 
 def finite(records: list[dict], key: str) -> list[dict]:
     """The records whose `key` is a finite number (a diverged step logs null)."""
-    return [r for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [r for r in records if finite_number(r.get(key))]
 
 
 def format_duration(seconds: float) -> str:
+    if not finite_number(seconds):  # the difference of two times, each near a float's limit
+        return "n/a"
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)

@@ -1,10 +1,12 @@
 """HellaSwag scoring: equal to an independent computation with the exported transformers model."""
 
 import json
+import os
 import random
 
 import pytest
 import torch
+from tests.helpers import read_fifo
 
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
@@ -170,3 +172,14 @@ def test_a_malformed_hellaswag_row_is_one_line_naming_it(tmp_path, change):
         read_examples(str(tmp_path / "h.jsonl"))
     (tmp_path / "h.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": "1"}) + "\n")
     assert [e["label"] for e in read_examples(str(tmp_path / "h.jsonl"))] == [0, 1]
+
+
+def test_a_fifo_as_the_examples_file_is_refused_not_waited_on(tmp_path):
+    """A named pipe blocked `eval --hellaswag` (and training's eval.hellaswag) forever."""
+    fifo = tmp_path / "h.jsonl"
+    os.mkfifo(fifo)
+    error = read_fifo(read_examples, str(fifo))
+    assert isinstance(error, GptforgeError), error
+    assert str(error) == f"--hellaswag {fifo}: not a regular file (expected a file to read)"
+    error = read_fifo(lambda path: read_examples(path, flag="eval.hellaswag"), str(fifo))
+    assert str(error) == f"eval.hellaswag {fifo}: not a regular file (expected a file to read)"

@@ -2,12 +2,14 @@
 
 import gzip
 import json
+import os
 import subprocess
 from math import comb
 from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers import read_fifo
 
 from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
@@ -239,3 +241,26 @@ def test_a_k_above_the_samples_is_refused_not_dropped(tmp_path, capsys):
         evaluate_humaneval(None, None, [], n=2, ks=[1, 10], device=torch.device("cpu"), dtype=torch.float32)
     # Without --k, the default pass@1 and pass@10 keep only what --samples allows: the checkpoint is reached.
     assert "no-such-checkpoint" in _cli_error(capsys, "--humaneval", problems, "--samples", "2")[1]
+
+
+@pytest.mark.parametrize("key", ["prompt", "test"])
+def test_a_problem_holding_a_lone_surrogate_is_one_line_naming_its_line(tmp_path, capsys, key):
+    """JSON's escape "\\ud800" reads as a lone surrogate, which the tokenizer and the program file refused (a
+    traceback)."""
+    problems = tmp_path / "problems.jsonl"
+    good = {"task_id": "t", "prompt": "def f(x):\n", "test": "def check(c):\n    pass\n", "entry_point": "f"}
+    problems.write_text(json.dumps(good) + "\n" + json.dumps({**good, key: "x = '\ud800'"}) + "\n")
+    assert _cli_error(capsys, "--humaneval", problems) == (
+        1,
+        f"gptforge eval: error: {problems}:2: {key!r} is not valid UTF-8 text "
+        "(a lone surrogate U+D800 at character 6)\n",
+    )
+
+
+def test_a_fifo_as_the_problems_file_is_refused_not_waited_on(tmp_path):
+    """A named pipe blocked the read forever (the flag's file is read whole)."""
+    fifo = tmp_path / "problems.jsonl"
+    os.mkfifo(fifo)
+    error = read_fifo(read_problems, str(fifo))
+    assert isinstance(error, GptforgeError), error
+    assert str(error) == f"--humaneval {fifo}: not a regular file (expected a file to read)"

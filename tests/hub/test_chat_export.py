@@ -115,3 +115,19 @@ def test_a_developer_message_and_text_parts_render_as_serve_reads_them(exported)
     expected = [Message("system", "Be brief."), Message("user", "Name a colour.")]
     assert list(theirs) == format_chat(tok, parse_messages(rows), True).ids.tolist()
     assert parse_messages(rows) == expected
+
+
+def test_a_chat_model_whose_tokenizer_sits_under_a_name_that_is_not_utf8_exports(tmp_path):
+    """`tokenizers` opens UTF-8 paths only: a run in a folder named b'caf\\xe9' failed to export with a traceback."""
+    import os
+
+    from gptforge.data.tokenizer import train_bpe
+
+    folder = tmp_path / os.fsdecode(b"caf\xe9")
+    folder.mkdir()
+    tok = with_chat(train_bpe(["def f(x):\n    return x\n"] * 20, 300, folder / "tokenizer.json"))
+    model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export_hf(model, tok, tmp_path / "hf"))
+    rows = [{"role": m.role, "content": m.content} for m in MESSAGES]
+    theirs = hf_tok.apply_chat_template(rows, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(theirs) == format_chat(tok, MESSAGES, add_generation_prompt=True).ids.tolist()

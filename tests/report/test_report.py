@@ -1,6 +1,9 @@
 """Plots (checked for their panels, not pixels) and the markdown report."""
 
 import json
+import math
+
+import pytest
 
 from gptforge.cli import main
 from gptforge.config import load_config
@@ -166,3 +169,61 @@ def test_odd_runs_are_one_line_or_a_report_still_printed(tmp_path, capsys, monke
     assert main(["report", "."]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("# Run `run`") and "report.md not written" in err and "Is a directory" in err
+
+
+@pytest.mark.parametrize("kind", [[], {}])
+def test_a_record_whose_kind_is_a_list_or_object_is_skipped(tmp_path, capsys, kind):
+    """Such a kind is no kind a reader draws: looking it up raised a TypeError (unhashable) in report and plot."""
+    run = tmp_path / "run"
+    write_metrics(run, {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8}, {"kind": kind, "step": 2, "loss": 1.0})
+    assert main(["plot", str(run)]) == 0
+    assert main(["report", str(run)]) == 0
+    assert "| steps | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("time", [math.nan, math.inf, -math.inf])
+def test_a_time_that_is_not_finite_is_one_line_and_one_past_a_float_is_not_available(tmp_path, capsys, time):
+    """Python's json reads NaN and Infinity (as json.dumps writes them): the wall time's int() raised a ValueError
+    or OverflowError."""
+    run = tmp_path / "run"
+    write_metrics(
+        run,
+        {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8},
+        {**TRAIN, "step": 2, "loss": 2.0, "tokens": 16, "time": time},
+    )
+    assert main(["report", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "metrics.jsonl:2: a train record whose ['time'] is not a number (not written by gptforge train)\n"
+    )
+    assert err.count("\n") == 1
+    write_metrics(
+        run,
+        {**TRAIN, "step": 1, "loss": 3.0, "tokens": 8, "time": -1e308},
+        {**TRAIN, "step": 2, "loss": 2.0, "tokens": 16, "time": 1e308},  # each finite, their difference is not
+    )
+    assert "| wall time (train records) | n/a |" in run_report(run)
+
+
+@pytest.mark.parametrize(
+    "key,values",
+    [
+        ("step", [1, 2, 10**30]),  # past int64: numpy made an object array, which np.interp refused
+        ("step", [1, 2, 10**400]),  # past a float
+        ("tokens", [8, 16, 1e308]),  # the tokens axis ran to infinity
+        ("tokens", [-1e308, 16, 24]),
+        ("loss", [-1e308, 2.0, 1e308]),  # the loss panel's ticks overflowed
+        ("tokens_per_s", [10.0, 10.0, 10**400]),
+    ],
+)
+def test_plot_leaves_out_values_too_large_to_draw(tmp_path, capsys, key, values):
+    run = tmp_path / "run"
+    steps = [{**TRAIN, "step": i, "loss": 3.0 - i, "tokens": 8 * i} for i in (1, 2, 3)]
+    write_metrics(
+        run,
+        *({**record, key: value} for record, value in zip(steps, values, strict=True)),
+        {"kind": "val", "step": 2, "loss": 2.5, "ppl": 12.2, "bpb": 1.1},
+    )
+    assert main(["plot", str(run)]) == 0, capsys.readouterr().err
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["report", str(run)]) == 0

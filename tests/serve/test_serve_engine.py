@@ -262,8 +262,9 @@ def test_a_nan_or_infinity_in_a_log_is_a_gap_in_its_curve_not_an_error(tmp_path)
     train = {"kind": "train", "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 0.0, "tokens": 8}
     code = {"kind": "code", "step": 1, "cases": 2, "prefix_exact": float("nan"), "parse_rate": float("inf")}
     lines = [json.dumps({**train, "step": 1, "loss": float("nan")}), json.dumps(code | {"infill_exact": True})]
+    lines.append(json.dumps({**train, "step": 2, "loss": 10**400}))  # past a float: math.isfinite overflowed
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")  # Python writes NaN and Infinity, JSON has neither
     answer = testclient.TestClient(build_app(tmp_path)).get("/api/runs/run/metrics")
     assert answer.status_code == 200
-    assert answer.json()["train"]["loss"] == [None] and answer.json()["code"]["prefix_exact"] == [None]
+    assert answer.json()["train"]["loss"] == [None, None] and answer.json()["code"]["prefix_exact"] == [None]
     assert answer.json()["code"]["parse_rate"] == [None] and answer.json()["code"]["infill_exact"] == [None]

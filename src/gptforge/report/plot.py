@@ -10,7 +10,6 @@ a mix adds each folder's val loss and bits per byte (dotted, one marker per fold
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +17,10 @@ from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import GPT2_124M_ACC_NORM, GPT3_125M_ACC_NORM
 from gptforge.files import atomic_write
 from gptforge.inputs import printable
-from gptforge.rundir import read_metrics, val_sources
+from gptforge.rundir import finite_number, read_metrics, val_sources
 
 SOURCE_MARKERS = "s^vDPX*"
+DRAWABLE = 1e300  # the largest magnitude drawn: matplotlib's margins and ticks overflow near a float's 1.8e308
 HELLASWAG = "HellaSwag acc_norm_token"
 CODE = "code: exact match, parse rate"
 PANELS = ("loss", "val bits per byte", HELLASWAG, CODE, "learning rate", "grad norm (pre-clip)", "tokens/s")
@@ -43,11 +43,17 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
     return out
 
 
-def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """Steps and finite values of `key` (a diverged step logs null; a hand-edited line may lack the key)."""
+def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """Steps and values of `key` that an axis can hold (a diverged step logs null; a hand-edited line may lack the
+    key, or hold a number too large to draw)."""
     pairs = [(r["step"], r.get(key)) for r in records]
-    kept = [(s, float(v)) for s, v in pairs if isinstance(v, (int, float)) and math.isfinite(v)]
+    kept = [(float(s), float(v)) for s, v in pairs if _drawable(s) and _drawable(v)]
     return [s for s, _ in kept], [v for _, v in kept]
+
+
+def _drawable(value: object) -> bool:
+    """A finite number no larger than DRAWABLE either way."""
+    return finite_number(value) and abs(value) <= DRAWABLE
 
 
 def _records(run_dir: Path) -> dict[str, list[dict]]:
@@ -158,6 +164,8 @@ def _tokens_axis(train: list[dict]) -> tuple | None:
     )
     xs = np.array([steps[0] - far, *steps, steps[-1] + far])
     ys = np.array([tokens[0] - far * first, *tokens, tokens[-1] + far * last])
+    if not (np.isfinite(ys).all() and np.abs(ys).max() <= DRAWABLE):  # token counts so large the ends overflow
+        return None
     return (lambda s: np.interp(s, xs, ys)), (lambda t: np.interp(t, ys, xs))
 
 

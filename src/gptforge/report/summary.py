@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 import warnings
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from gptforge.errors import GptforgeError
 from gptforge.eval.code import SPAN_LINES
 from gptforge.files import atomic_write
 from gptforge.inputs import printable, read_text
-from gptforge.rundir import CONFIG, finite, format_duration, read_metrics, val_sources
+from gptforge.rundir import CONFIG, finite, finite_number, format_duration, read_metrics, val_sources
 
 
 def run_report(run_dir: str | Path) -> str:
@@ -74,7 +73,7 @@ def _number(record: dict, key: str, digits: int = 4) -> str:
     """A finite number, or n/a: bits per byte is null where the data folder does not say its bytes (an llm.c
     folder without a manifest, held-out replies that are empty)."""
     value = record.get(key)
-    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+    return f"{value:.{digits}f}" if finite_number(value) else "n/a"
 
 
 def _share(record: dict, key: str) -> str:
@@ -90,5 +89,5 @@ def _percent(value: float) -> str:
 
 def _mean(records: list[dict], key: str) -> float:
     """Mean of the finite values (nan when there are none: a diverged last step)."""
-    values = [r[key] for r in finite(records, key)]
-    return statistics.fmean(values) if values else math.nan
+    values = [float(r[key]) for r in finite(records, key)]
+    return sum(values) / len(values) if values else math.nan  # fmean's fsum raises past a float's range

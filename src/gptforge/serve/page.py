@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from gptforge.checkpoint import META, read_meta, step_of
 from gptforge.config import config_from_dict, to_toml
 from gptforge.errors import GptforgeError
 from gptforge.inputs import printable, read_jsonl, read_text
-from gptforge.rundir import CONFIG, METRICS, SAMPLES, read_metrics, val_sources
+from gptforge.rundir import CONFIG, METRICS, SAMPLES, finite_number, read_metrics, val_sources
 from gptforge.serve.api import error_response
 from gptforge.serve.protocol import ApiError
 from gptforge.serve.runs import FolderGone, Source, find_sources
@@ -147,11 +146,6 @@ def _columns(records: list[dict], keys: tuple[str, ...]) -> dict[str, list]:
         bucket = records[start : start + size]
         out["step"].append(bucket[-1]["step"])
         for k in keys:
-            values = [r[k] for r in bucket if _number(r.get(k))]
+            values = [r[k] for r in bucket if finite_number(r.get(k))]
             out[k].append(sum(values) / len(values) if values else None)
     return out
-
-
-def _number(value: Any) -> bool:
-    """A value a curve can draw: JSON has no NaN or infinity (a diverged step logs null, a hand edit may not)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

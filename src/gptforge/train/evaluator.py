@@ -89,7 +89,8 @@ class Evaluator:
         self.val_loaders = val_loaders(cfg, data)
         if not self.val_loaders:
             print0(env, one_line(f"{', '.join(data.folders)}: no validation split: {NO_VAL}"))
-        self.hellaswag = read_examples(cfg.eval.hellaswag, cfg.eval.hellaswag_limit) if cfg.eval.hellaswag else []
+        hellaswag, limit = cfg.eval.hellaswag, cfg.eval.hellaswag_limit
+        self.hellaswag = read_examples(hellaswag, limit, flag="eval.hellaswag") if hellaswag else []
         self.seconds = 0.0
         """How long the last evaluation took (the time budget plans with it)."""
 
