@@ -45,15 +45,16 @@ def read_fifo(read, fifo, seconds: float = 10.0):
 
 def randomize(model, matrix_std=None):
     """Random norm gains and biases (so a swapped one shows in logits) and, with `matrix_std`, random matrices of
-    that spread; returns the model in eval mode."""
+    that spread; returns the model in eval mode. Drawn in row-major order whatever a weight's layout (inference
+    stores them column-major on CPU), so a seed gives the same model either way."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
-                p.normal_(0, 0.1)
+                p.copy_(torch.empty(p.shape).normal_(0, 0.1))
             elif p.dim() == 1:
-                p.normal_(1, 0.1)
+                p.copy_(torch.empty(p.shape).normal_(1, 0.1))
             elif matrix_std is not None:
-                p.normal_(0, matrix_std)
+                p.copy_(torch.empty(p.shape).normal_(0, matrix_std))
     return model.eval()
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gptforge.model.engine as engine_module
-from gptforge.model.engine import LENGTH, STOP, Engine, Sequence
+from gptforge.model.engine import LENGTH, STOP, Engine, Sequence, column_major
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.sampling import Sampling
 
@@ -177,3 +177,15 @@ def test_the_static_and_compiled_steps_write_what_a_naive_loop_writes(decode):
 def test_an_unknown_decode_is_refused():
     with pytest.raises(ValueError, match="decode='fast': expected one of rows, static, compiled"):
         Engine(tiny(), decode="fast")
+
+
+def test_column_major_weights_decode_the_same_tokens_and_keep_the_tied_table_one():
+    model = tiny(MODERN)
+    reference = [Sequence(list(p), 8) for p in PROMPTS]
+    Engine(model, rows=3).run(*reference)
+    column_major(model)
+    assert model.lm_head.weight.stride() == (1, model.lm_head.weight.size(0))
+    assert model.transformer.wte.weight is model.lm_head.weight
+    again = [Sequence(list(p), 8) for p in PROMPTS]
+    Engine(model, rows=3).run(*again)
+    assert [s.ids for s in again] == [s.ids for s in reference]

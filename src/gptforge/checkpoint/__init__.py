@@ -39,6 +39,7 @@ from gptforge.data.chat.template import model_tokenizer
 from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.inputs import utf8_path
+from gptforge.model.engine import column_major
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import apply_lora, merge_lora
 from gptforge.runtime.device import resolve_device, resolve_dtype
@@ -275,6 +276,8 @@ def load_for_inference(path: str | Path, device: str = "auto", dtype: str = "aut
     """`dtype` 'auto' computes in the precision the checkpoint trained in (an import: the one it came in)."""
     dev = resolve_device(device, "--device")
     model, tok, cfg, meta = load_checkpoint(path, dev)
+    if dev.type == "cpu":
+        column_major(model)
     return Inference(model, tok, cfg, meta, dev, resolve_dtype(cfg.train.dtype if dtype == "auto" else dtype, dev))
 
 

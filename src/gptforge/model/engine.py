@@ -253,3 +253,14 @@ def _by_length(seqs: list[Sequence], block: int) -> list[list[Sequence]]:
 def _compiled_step() -> Callable:
     """`forward_logits` compiled once per process (each batch size and model shape a graph of its own)."""
     return torch.compile(forward_logits, dynamic=False, fullgraph=True)
+
+
+@torch.no_grad()
+def column_major(model: GPT) -> GPT:
+    """Store each linear weight column-major (the same values, its transpose contiguous): on CPU, MKL multiplies
+    one row (a decoded token) by such a weight ~2.7x as fast (the demo model decoded 1.3x as fast, the same
+    tokens). For inference only: an optimizer's state would not share the layout."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()  # a tied table is the same parameter
+    return model
