@@ -28,10 +28,10 @@ import torch
 
 from gptforge.checkpoint import latest_checkpoint, load_checkpoint
 from gptforge.data.chat.instructions import defines_function
-from gptforge.data.chat.template import Message, format_chat, with_chat
 from gptforge.demo import prepare_function_conversations
 from gptforge.model.generate import Generation, generate_batch
 from gptforge.model.gpt import GPT
+from gptforge.tokens.chat import Message, format_chat, with_chat
 from gptforge.train.finetune import fit_vocabulary
 
 

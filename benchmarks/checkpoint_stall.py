@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from gptforge.checkpoint import begin_checkpoint, end_checkpoint, save_checkpoint
 from gptforge.config import load_config
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.runtime.distributed import init
+from gptforge.tokens.tokenizer import load_tokenizer
 from gptforge.train.setup import build
 from gptforge.train.step import train_step
 

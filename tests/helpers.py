@@ -86,9 +86,9 @@ def chat_checkpoint(path, chat: bool = True, ends_every_reply: bool = False):
 
     from gptforge.checkpoint import write_checkpoint
     from gptforge.config import load_config
-    from gptforge.data.chat.template import with_chat
-    from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model.gpt import GPT
+    from gptforge.tokens.chat import with_chat
+    from gptforge.tokens.tokenizer import load_tokenizer
 
     cfg = load_config("tiny")
     base = load_tokenizer("gpt2")

@@ -9,10 +9,10 @@ from tests.helpers import chat_checkpoint
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
-from gptforge.data.chat.template import Message, format_chat, with_chat
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.model.generate import generate
 from gptforge.sample import ChatSettings, chat_session
+from gptforge.tokens.chat import Message, format_chat, with_chat
+from gptforge.tokens.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

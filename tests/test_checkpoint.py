@@ -21,7 +21,7 @@ import torch
 from gptforge.checkpoint import save_checkpoint
 from gptforge.config import Config
 from gptforge.model.gpt import GPT, GPTConfig
-from gptforge.data.tokenizer import load_tokenizer
+from gptforge.tokens.tokenizer import load_tokenizer
 cfg = Config(model=GPTConfig(block_size=64, vocab_size=50257, n_layer=4, n_head=4, n_embd=256))
 model, tok = GPT(cfg.model), load_tokenizer("gpt2")
 opt = torch.optim.AdamW(model.parameters())
@@ -48,8 +48,8 @@ while True:
 
 def test_checkpoint_holds_rng_state(tmp_path):
     from gptforge.config import Config
-    from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model.gpt import GPTConfig
+    from gptforge.tokens.tokenizer import load_tokenizer
 
     cfg = Config(model=GPTConfig(block_size=8, vocab_size=50257, n_layer=1, n_head=1, n_embd=8))
     torch.manual_seed(123)
@@ -131,8 +131,8 @@ def test_a_checkpoint_file_past_the_largest_allowed_is_one_line_and_keeps_the_pr
 
 def test_checkpoint_files_get_the_usual_permissions(tmp_path):
     from gptforge.config import Config
-    from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model.gpt import GPTConfig
+    from gptforge.tokens.tokenizer import load_tokenizer
 
     cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
     ckpt = save_checkpoint(
@@ -149,8 +149,8 @@ def test_a_tokenizer_that_is_not_a_file_of_the_checkpoint_is_one_line(tmp_path, 
     import json
 
     from gptforge.config import Config
-    from gptforge.data.tokenizer import load_tokenizer, train_bpe
     from gptforge.model.gpt import GPTConfig
+    from gptforge.tokens.tokenizer import load_tokenizer, train_bpe
 
     cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
     ckpt = save_checkpoint(tmp_path, 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"), {"tokens": 0})
@@ -199,8 +199,8 @@ def test_a_fifo_in_a_checkpoint_is_named_and_never_opened(tmp_path, name):
 
     from gptforge.checkpoint import checkpoint_problem
     from gptforge.config import Config
-    from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model.gpt import GPTConfig
+    from gptforge.tokens.tokenizer import load_tokenizer
 
     cfg = Config(model=GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8))
     ckpt = save_checkpoint(tmp_path, 1, GPT(cfg.model), None, cfg, load_tokenizer("gpt2"), {"tokens": 0})

@@ -232,8 +232,8 @@ def test_every_command_refuses_an_out_that_is_a_device_fifo_or_socket(data_dir, 
 
     from gptforge.checkpoint import save_checkpoint
     from gptforge.config import Config
-    from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model.gpt import GPT, GPTConfig
+    from gptforge.tokens.tokenizer import load_tokenizer
 
     special = special_file(kind, tmp_path)
     before = os.stat(special)

@@ -13,6 +13,7 @@ LAYERS = [
     {"files", "inputs"},
     {"outputs"},
     {"runtime"},
+    {"tokens"},
     {"model", "data"},
     {"config"},
     {"checkpoint", "rundir"},
@@ -127,3 +128,17 @@ def test_no_function_over_80_lines():
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, long
+
+
+def test_generating_serving_and_exporting_need_no_data_pipeline():
+    """Tokens (the tokenizer, FIM's sentinels, the chat template) are their own package: a model is served,
+    sampled, saved and exported without importing the data pipeline."""
+    users = ("model", "checkpoint", "hub", "serve", "sample")
+    found = [
+        f"{module} imports {imported}"
+        for module, tree in MODULES.items()
+        if module != "gptforge" and _part(module) in users
+        for imported in _imports(module, tree)
+        if _part(imported) == "data"
+    ]
+    assert not found, found

@@ -37,3 +37,20 @@ def test_the_demo_data_figures_are_the_recorded_runs():
         f"{record['requests']:,} requests, {record['training_conversations']:,} of them training conversations",
     ]
     assert [q for q in quoted if q not in readme] == []
+
+
+def test_the_decode_figures_are_the_recorded_run():
+    """The engine's speed against llama.cpp and transformers is quoted from `benchmarks/decode.py`'s recorded run."""
+    import json
+
+    record = json.loads(sorted((ROOT / "benchmarks").glob("decode-cpu-*.json"))[-1].read_text())["results"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    one, rows = "prompt 13, batch 1", "prompt 13, batch 32"
+    ours, llama = record["gptforge"][one]["tokens_per_s"], record["llama.cpp f32"][one]["tokens_per_s"]
+    quoted = [
+        f"batch 1, **{ours:,.1f} tokens/s**, against llama.cpp's {llama:,.1f}",
+        f"f32 GGUF ({ours / llama:.2f}×; {record['llama.cpp q8_0'][one]['tokens_per_s']:,.1f} on q8_0)",
+        f"`transformers`' {record['transformers'][one]['tokens_per_s']:,.1f}",
+        f"32 rows together {record['gptforge'][rows]['tokens_per_s']:,.1f} tokens/s",
+    ]
+    assert [q for q in quoted if q not in readme] == []

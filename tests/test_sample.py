@@ -8,10 +8,10 @@ import torch
 import gptforge.sample
 from gptforge.checkpoint import Inference
 from gptforge.config import load_config
-from gptforge.data.fim import FIMTokenizer
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.sample import NORMAL, REVERSE, sample_texts
+from gptforge.tokens.fim import FIMTokenizer
+from gptforge.tokens.tokenizer import load_tokenizer
 
 PREFIX, SUFFIX = "def f(x):\n", "\n    return y\n"
 

@@ -19,13 +19,13 @@ import torch
 
 from gptforge.config import Config
 from gptforge.data.sources import stdlib_documents
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
 from gptforge.runtime import dtype_name
 from gptforge.runtime.device import autocast, resolve_device
 from gptforge.runtime.distributed import SINGLE
 from gptforge.runtime.flops import Utilisation, format_flops, format_mfu
+from gptforge.tokens.tokenizer import load_tokenizer
 from gptforge.train.setup import build
 from gptforge.train.step import train_step
 

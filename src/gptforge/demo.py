@@ -15,8 +15,6 @@ from gptforge.checkpoint import META, latest_checkpoint, load_checkpoint, read_m
 from gptforge.config import config_from_dict, load_config
 from gptforge.data.chat.instructions import conversation_rows
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
-from gptforge.data.chat.template import Message, format_chat
-from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
@@ -39,6 +37,8 @@ from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
 from gptforge.outputs import check_output_dir, output_folder
 from gptforge.report.plot import plot_runs
+from gptforge.tokens.chat import Message, format_chat
+from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.train.setup import check_model_overrides, model_overrides
 from gptforge.train.trainer import TrainResult, train
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.checkpoint import Inference, load_for_inference
-from gptforge.data.chat.template import ChatTokenizer, Message, format_chat
-from gptforge.data.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.inputs import not_utf8
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
+from gptforge.tokens.chat import ChatTokenizer, Message, format_chat
+from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
 
 # How an infilled middle stands out on a terminal: reverse video, an attribute rather than characters, so what is
 # copied from the screen is the code itself. Piped output stays the plain text.

@@ -4,7 +4,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from gptforge.data.chat.template import (
+from gptforge.tokens.chat import (
     CHAT_TEMPLATE,
     ConversationError,
     Message,
@@ -13,8 +13,8 @@ from gptforge.data.chat.template import (
     parse_messages,
     with_chat,
 )
-from gptforge.data.fim import with_fim
-from gptforge.data.tokenizer import GPT2Tokenizer
+from gptforge.tokens.fim import with_fim
+from gptforge.tokens.tokenizer import GPT2Tokenizer
 
 MESSAGES = [
     Message("system", "You write Python."),

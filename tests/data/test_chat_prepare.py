@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from gptforge.data.chat.prepare import ChatSettings, chat_form, prepare_chat
-from gptforge.data.chat.template import with_chat
 from gptforge.data.clean.dedup import DedupSettings
 from gptforge.data.loader import TokenLoader
 from gptforge.data.shards import read_manifest, read_mask, read_shard, verify_shard
-from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.tokens.chat import with_chat
+from gptforge.tokens.tokenizer import GPT2Tokenizer
 
 
 def _turns(*pairs):

@@ -11,9 +11,10 @@ from tests.helpers import losses, weights
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
 from gptforge.config import load_config
-from gptforge.data.fim import FIM, FIM_TEXTS, FIMTokenizer, with_fim
+from gptforge.data.fim import FIM
 from gptforge.data.loader import TokenLoader
-from gptforge.data.tokenizer import load_tokenizer
+from gptforge.tokens.fim import FIM_TEXTS, FIMTokenizer, with_fim
+from gptforge.tokens.tokenizer import load_tokenizer
 from gptforge.train.trainer import train
 
 DOCS = [
@@ -177,10 +178,10 @@ def test_exports_carry_the_sentinels_and_transformers_infills_as_we_do(tmp_path,
     transformers = pytest.importorskip("transformers")
     from tests.hub.test_gguf_export import tiny_model
 
-    from gptforge.data.fim import infill_prompt
-    from gptforge.data.tokenizer import train_bpe
     from gptforge.hub.convert import export_hf
     from gptforge.model.generate import generate
+    from gptforge.tokens.fim import infill_prompt
+    from gptforge.tokens.tokenizer import train_bpe
 
     base = train_bpe(DOCS * 20, 300, tmp_path / "tokenizer.json") if trained else load_tokenizer("gpt2")
     tok = FIMTokenizer(base)

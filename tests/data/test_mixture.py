@@ -14,8 +14,8 @@ from gptforge.config import load_config
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Schedule, open_mix, parse_mix
 from gptforge.data.shards import write_manifest, write_shard
-from gptforge.data.tokenizer import train_bpe
 from gptforge.errors import GptforgeError
+from gptforge.tokens.tokenizer import train_bpe
 
 T = 8
 OFFSET = 10_000  # folder k's tokens are k * OFFSET + their position: a window tells which folder it came from

@@ -8,8 +8,8 @@ import gptforge.data.pipeline as pipeline
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import read_manifest, read_shard
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.tokens.tokenizer import load_tokenizer
 
 
 def test_shards_hold_every_document_eot_delimited(corpus_dir, data_dir):

@@ -37,7 +37,7 @@ def test_a_folder_this_command_made_is_removed_on_error(tmp_path):
 
 
 def test_a_changed_tokenizer_file_is_not_resumed(tmp_path):
-    from gptforge.data.tokenizer import train_bpe
+    from gptforge.tokens.tokenizer import train_bpe
 
     src, out, tok = _code(tmp_path, 3), tmp_path / "out", tmp_path / "tok.json"
     train_bpe(["x = 1\n" * 9], 300, tok)

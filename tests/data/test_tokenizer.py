@@ -1,7 +1,8 @@
 import pytest
 
-from gptforge.data.tokenizer import check_data_tokenizer, load_tokenizer, train_bpe
+from gptforge.data.tokenizer import check_data_tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.tokens.tokenizer import load_tokenizer, train_bpe
 
 
 def test_gpt2_ids_match_openai():
@@ -81,7 +82,7 @@ def test_data_made_with_another_tokenizer_is_refused(tmp_path):
 
 
 def test_a_vocabulary_too_large_to_train_is_refused_and_a_short_one_is_said(tmp_path, capsys):
-    from gptforge.data.tokenizer import check_vocab_size
+    from gptforge.tokens.tokenizer import check_vocab_size
 
     with pytest.raises(GptforgeError, match=r"--train-tokenizer 1048577: .* at most 1,048,576"):
         check_vocab_size(2**20 + 1)

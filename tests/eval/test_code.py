@@ -7,11 +7,11 @@ import torch
 
 from gptforge.cli import main
 from gptforge.config import load_config
-from gptforge.data.fim import FIMTokenizer
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.eval import code
 from gptforge.eval.code import HiddenSpan, body_of, hidden_spans, span_exact_match
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.fim import FIMTokenizer
+from gptforge.tokens.tokenizer import load_tokenizer
 from gptforge.train.trainer import train
 
 DOCS = [

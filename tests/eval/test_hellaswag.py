@@ -8,11 +8,11 @@ import pytest
 import torch
 from tests.helpers import read_fifo
 
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.eval.hellaswag import evaluate_hellaswag, read_examples
 from gptforge.hub.convert import export_hf
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 WORDS = [

@@ -11,7 +11,6 @@ import pytest
 import torch
 from tests.helpers import read_fifo
 
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.eval.humaneval import (
     assemble_program,
@@ -23,6 +22,7 @@ from gptforge.eval.humaneval import (
     truncate,
 )
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("n,c,k", [(10, 0, 1), (10, 3, 1), (10, 3, 5), (20, 7, 10), (5, 5, 2), (200, 1, 100)])

@@ -10,10 +10,10 @@ from tests.eval.test_hellaswag import hf_predictions, write_examples
 from gptforge.checkpoint import write_checkpoint
 from gptforge.cli import main
 from gptforge.config import Config
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.eval.suite import format_results
 from gptforge.hub.convert import export_hf
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer
 
 pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")

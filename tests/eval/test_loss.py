@@ -8,9 +8,9 @@ import torch
 from gptforge.data.loader import TokenLoader
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.eval.loss import evaluate_loss, evaluated_tokens
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer
 
 DOC = "déjà vu: naïve café ☕ — 日本語のテキスト, Ünïcödé everywhere.\n"
 

@@ -11,11 +11,11 @@ from tests.train.test_trainer import MODERN
 from gptforge.bench import run_bench
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.hub.convert import export_hf
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime.flops import peak_flops
+from gptforge.tokens.tokenizer import load_tokenizer
 from gptforge.train.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (GPTFORGE_GPU_TESTS=1)")

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from gptforge.data.chat.template import Message, format_chat, parse_messages, with_chat
-from gptforge.data.fim import with_fim
-from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.hub.convert import export_hf
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.chat import Message, format_chat, parse_messages, with_chat
+from gptforge.tokens.fim import with_fim
+from gptforge.tokens.tokenizer import GPT2Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,7 +85,7 @@ HOSTILE = [
 def test_a_message_holding_the_templates_own_strings_stays_text_in_the_export(tmp_path, trained):
     """apply_chat_template on the export turned such text into control ids: a user could close their turn and open
     a system one. Exported, the template marks the content and the tokenizer unmarks it: exactly our ids."""
-    from gptforge.data.tokenizer import train_bpe
+    from gptforge.tokens.tokenizer import train_bpe
 
     base = GPT2Tokenizer()
     if trained:
@@ -121,7 +121,7 @@ def test_a_chat_model_whose_tokenizer_sits_under_a_name_that_is_not_utf8_exports
     """`tokenizers` opens UTF-8 paths only: a run in a folder named b'caf\\xe9' failed to export with a traceback."""
     import os
 
-    from gptforge.data.tokenizer import train_bpe
+    from gptforge.tokens.tokenizer import train_bpe
 
     folder = tmp_path / os.fsdecode(b"caf\xe9")
     folder.mkdir()

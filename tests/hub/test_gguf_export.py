@@ -14,11 +14,11 @@ from tests.helpers import randomize
 from gptforge.checkpoint import write_checkpoint
 from gptforge.cli import main
 from gptforge.config import Config
-from gptforge.data.tokenizer import EOT_TEXT, load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 from gptforge.hub.gguf_export import gguf_arch, write_gguf
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import EOT_TEXT, load_tokenizer, train_bpe
 
 gguf = pytest.importorskip("gguf")
 
@@ -262,7 +262,7 @@ def test_without_the_gguf_package_the_export_says_what_to_install(tmp_path, caps
 
 
 def test_a_fim_model_s_file_names_its_sentinels_for_llama_cpp_infill(tmp_path):
-    from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
+    from gptforge.tokens.fim import FIM_TEXTS, FIMTokenizer
 
     tok = FIMTokenizer(load_tokenizer("gpt2"))
     path = write_gguf(tiny_model(vocab_size=tok.vocab_size), tok, tmp_path / "m.gguf", "f32", "x")
@@ -276,7 +276,7 @@ def test_a_fim_model_s_file_names_its_sentinels_for_llama_cpp_infill(tmp_path):
 
 
 def test_llama_cpp_formats_a_chat_model_s_messages_as_we_do_and_replies_as_ours_greedily(tmp_path):
-    from gptforge.data.chat.template import Message, format_chat, with_chat
+    from gptforge.tokens.chat import Message, format_chat, with_chat
 
     tok = with_chat(load_tokenizer("gpt2"))
     model = tiny_model(vocab_size=tok.vocab_size)
@@ -299,7 +299,7 @@ def test_llama_cpp_keeps_a_message_holding_the_templates_strings_as_text(tmp_pat
     normalizer to take the mark out, so its ids differ from ours there, but no control token comes of them)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from gptforge.data.chat.template import Message, format_chat, with_chat
+    from gptforge.tokens.chat import Message, format_chat, with_chat
 
     tok = with_chat(load_tokenizer("gpt2"))
     path = write_gguf(tiny_model(vocab_size=tok.vocab_size), tok, tmp_path / "chat.gguf", "f32", "chat")

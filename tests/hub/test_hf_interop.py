@@ -9,10 +9,10 @@ import torch
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
-from gptforge.data.tokenizer import load_tokenizer, train_bpe
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers")
 
@@ -346,11 +346,11 @@ def test_damaged_hf_weights_are_one_line(tmp_path, damage, message):
 def test_a_fim_export_imports_as_a_fim_model(tmp_path):
     """export -> import keeps a FIM model one (its sentinels declared past the vocabulary; it came back as a model
     `sample --suffix` and serve's infill refused)."""
-    from gptforge.data.chat.template import with_chat
-    from gptforge.data.fim import infill_prompt, with_fim
-    from gptforge.data.tokenizer import GPT2Tokenizer
     from gptforge.hub.publish import import_checkpoint
     from gptforge.model.generate import generate
+    from gptforge.tokens.chat import with_chat
+    from gptforge.tokens.fim import infill_prompt, with_fim
+    from gptforge.tokens.tokenizer import GPT2Tokenizer
 
     torch.manual_seed(0)
     tok = with_fim(GPT2Tokenizer(), 0.5)

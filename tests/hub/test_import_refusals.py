@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.hub.convert import export_hf
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer
 
 SHAPE = dict(block_size=32, n_layer=1, n_head=2, n_embd=16)
 QWEN3 = dict(norm="rmsnorm", position="rotary", qk_norm=True, bias=False, tie_embeddings=False, mlp="swiglu")

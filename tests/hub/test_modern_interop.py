@@ -8,12 +8,12 @@ from tests.helpers import randomize
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
-from gptforge.data.tokenizer import load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.modern import DEFAULT_ROPE, HF_DEFAULTS
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

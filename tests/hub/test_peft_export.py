@@ -9,13 +9,13 @@ import torch
 
 from gptforge.checkpoint import write_checkpoint
 from gptforge.config import Config, TrainConfig
-from gptforge.data.chat.template import with_chat
-from gptforge.data.tokenizer import GPT2Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf
 from gptforge.hub.peft_export import export_peft
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import TARGETS, LoRASpec, apply_lora, merge_lora
+from gptforge.tokens.chat import with_chat
+from gptforge.tokens.tokenizer import GPT2Tokenizer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

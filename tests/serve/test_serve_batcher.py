@@ -4,6 +4,7 @@ leave at token boundaries, and a request that leaves frees its row for one that 
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import threading
@@ -15,11 +16,11 @@ import torch
 from tests.helpers import randomize
 
 from gptforge.checkpoint import load_for_inference
-from gptforge.data.fim import FIMTokenizer, infill_prompt
 from gptforge.model.generate import generate
 from gptforge.serve.batcher import Batcher, Task
 from gptforge.serve.jobs import Done, Finish, Job, Started, Text
 from gptforge.serve.protocol import Limits, parse_completion
+from gptforge.tokens.fim import FIMTokenizer, infill_prompt
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +248,22 @@ def test_the_decode_step_benchmark_runs_on_the_batcher(runs_dir):
     args = ["--decode-step", "--clients", "1,2", "--max-tokens", "4", "--threads", "1"]
     done = subprocess.run([sys.executable, script, ckpt, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "2 rows against 1:" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_decode_benchmark_runs_on_the_engine(runs_dir, tmp_path):
+    """benchmarks/decode.py (README's decode figures) must keep up with the engine's interface."""
+    script = Path(__file__).parents[2] / "benchmarks" / "decode.py"
+    ckpt = runs_dir / "alpha" / "checkpoints" / "step_000004"
+    args = ["--no-llama", "--no-hf", "--rounds", "1", "--new-tokens", "4", "--batches", "1,2", "--threads", "1"]
+    done = subprocess.run(
+        [sys.executable, script, ckpt, *args, "--json", tmp_path / "d.json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(json.loads((tmp_path / "d.json").read_text())["results"]["gptforge"]) == {
+        "prompt 14, batch 1",
+        "prompt 14, batch 2",
+        "prompt 16, batch 1",
+    }

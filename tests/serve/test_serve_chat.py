@@ -136,7 +136,7 @@ def test_the_prompt_is_the_templates_with_the_replys_opening_and_a_reply_ends_at
     """The route's prompt without `<|im_start|>assistant\\n`, or without the stop at `<|im_end|>`, passed the tests
     (a 2-step model's reply ignores its prompt): here a model whose every reply ends at once."""
     from gptforge.checkpoint import load_checkpoint
-    from gptforge.data.chat.template import format_chat, parse_messages
+    from gptforge.tokens.chat import format_chat, parse_messages
 
     _, url = client
     tok = load_checkpoint(root / "stopper")[1]
@@ -177,7 +177,7 @@ def test_a_chat_request_without_max_tokens_may_run_to_the_servers_limit():
 
 def test_a_tool_call_or_a_tool_message_says_tools_are_not_supported():
     """An assistant's tool-call message was refused as 'content: expected a string'."""
-    from gptforge.data.chat.template import ConversationError, parse_messages
+    from gptforge.tokens.chat import ConversationError, parse_messages
 
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     for message, field in (

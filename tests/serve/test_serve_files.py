@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gptforge.data.tokenizer import train_bpe
+from gptforge.tokens.tokenizer import train_bpe
 
 testclient = pytest.importorskip("starlette.testclient")
 OUTSIDE = "leads outside the served folder"

@@ -15,7 +15,7 @@ from tests.serve.server import serving
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
 from gptforge.config import load_config
-from gptforge.data.fim import infill_prompt
+from gptforge.tokens.fim import infill_prompt
 from gptforge.train.trainer import train
 
 pytest.importorskip("uvicorn")

@@ -35,8 +35,6 @@ from gptforge.checkpoint.save import (
     write_checkpoint,
 )
 from gptforge.config import Config, config_from_dict, lora_spec
-from gptforge.data.chat.template import model_tokenizer
-from gptforge.data.tokenizer import Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.inputs import utf8_path
 from gptforge.model.engine import column_major
@@ -55,6 +53,8 @@ from gptforge.runtime.fsdp import (
     state_by_index,
     state_by_name,
 )
+from gptforge.tokens.chat import model_tokenizer
+from gptforge.tokens.tokenizer import Tokenizer, load_tokenizer
 
 # The package's face: reading here, writing in save.py, the folder layout in layout.py.
 __all__ = [

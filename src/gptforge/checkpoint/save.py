@@ -16,7 +16,6 @@ from safetensors.torch import save_model
 from gptforge.checkpoint.integrity import seal
 from gptforge.checkpoint.layout import META, SHARDS, checkpoints, step_of
 from gptforge.config import Config, to_dict
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, swap_dir, temp_dir_for, temp_dir_path, usual_mode, write_json, writing
 from gptforge.model.gpt import GPT
@@ -26,6 +25,7 @@ from gptforge.runtime.fsdp import (
     save_shards,
     wait_writes,
 )
+from gptforge.tokens.tokenizer import Tokenizer
 
 
 def save_checkpoint(

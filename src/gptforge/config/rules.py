@@ -8,11 +8,11 @@ import re
 from typing import Any
 
 from gptforge.config.sections import PARALLEL, SCHEDULES, Config, TrainConfig
-from gptforge.data.chat.template import TEMPLATE_NAME
 from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.model.lora import TARGETS as LORA_TARGETS
 from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
+from gptforge.tokens.chat import TEMPLATE_NAME
 
 
 def _at_least(low: float) -> tuple[Any, str]:

@@ -17,43 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gptforge.data.tokenizer import ExtendedTokenizer, Tokenizer
+from gptforge.tokens.fim import FIM_TEXTS, FIMTokenizer
 
-FIM_TEXTS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>")
 FIM_STREAM = 0xF1F  # keeps FIM's random numbers apart from the window order's, which shares the seed
-
-
-@dataclass(frozen=True)
-class Sentinels:
-    prefix: int
-    middle: int
-    suffix: int
-
-
-class FIMTokenizer(ExtendedTokenizer):
-    """A tokenizer with the FIM sentinels appended past its vocabulary."""
-
-    def __init__(self, base: Tokenizer) -> None:
-        super().__init__(base, FIM_TEXTS)
-        self.sentinels = Sentinels(*range(base.vocab_size, base.vocab_size + 3))
-
-
-def with_fim(tokenizer: Tokenizer, fim_rate: float) -> Tokenizer:
-    """The tokenizer a run with `data.fim_rate` trains with: the sentinels appended when FIM is on."""
-    return FIMTokenizer(tokenizer) if fim_rate > 0 and not isinstance(tokenizer, FIMTokenizer) else tokenizer
-
-
-def end_ids(tokenizer: Tokenizer) -> set[int]:
-    """Tokens that end a generated text: EOT, a FIM model's sentinels (an infilled middle ends there too), and a
-    chat model's end of turn (its `stop_ids`)."""
-    sentinels = getattr(tokenizer, "sentinels", None)
-    return {tokenizer.eot, *(vars(sentinels).values() if sentinels else ()), *getattr(tokenizer, "stop_ids", ())}
-
-
-def infill_prompt(tokenizer: FIMTokenizer, prefix: str, suffix: str) -> list[int]:
-    """The PSM prompt whose continuation is the middle: prefix, suffix, then the middle sentinel."""
-    s = tokenizer.sentinels
-    return [s.prefix, *tokenizer.encode(prefix), s.suffix, *tokenizer.encode(suffix), s.middle]
 
 
 @dataclass

@@ -25,8 +25,8 @@ import torch
 from gptforge.data.fim import FIM
 from gptforge.data.loader import TokenLoader, check_seq_len
 from gptforge.data.shards import read_manifest
-from gptforge.data.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.tokens.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 
 # A weight is a plain decimal of at most 24 characters with an exponent of at most two digits: exact as a Fraction,
 # and bounded, as `1e1000000000` (a billion-digit integer to build) or `1e-4400` (a share whose text passes Python's

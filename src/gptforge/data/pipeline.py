@@ -21,7 +21,7 @@ from gptforge.data.clean.quality import Classifier
 from gptforge.data.languages import language_of
 from gptforge.data.report import Report
 from gptforge.data.shards import dtype_for_vocab
-from gptforge.data.tokenizer import load_tokenizer
+from gptforge.tokens.tokenizer import load_tokenizer
 
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20  # documents per worker task, at most (a crash loses at most one batch)
 _worker: dict[str, Any] = {}

@@ -20,8 +20,8 @@ from gptforge.data.clean.filters import CleanSettings, build_filters, clean_sett
 from gptforge.data.clean.quality import QualitySettings, check_quality
 from gptforge.data.languages import DEFAULT_EXTENSIONS, parse_extensions
 from gptforge.data.sources import resolve
-from gptforge.data.tokenizer import check_vocab_size
 from gptforge.errors import GptforgeError
+from gptforge.tokens.tokenizer import check_vocab_size
 
 # The flag behind each setting, to say which one differs from a folder's.
 SETTING_FLAGS = {

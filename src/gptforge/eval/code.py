@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptforge.data.fim import FIMTokenizer, end_ids
 from gptforge.data.shards import read_manifest, read_shard
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.model.generate import Generation, Sampling, generate_batch
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
+from gptforge.tokens.fim import FIMTokenizer, end_ids
+from gptforge.tokens.tokenizer import Tokenizer
 
 LINE_TOKENS = 48  # a hidden line longer than this counts as missed
 BODY_TOKENS = 160

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf
 from gptforge.model.gpt import GPT
+from gptforge.tokens.tokenizer import Tokenizer
 
 INSTALL = "pip install 'gptforge[lmeval]' (lm_eval[hf])"
 

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from gptforge.data.sources import open_hf_dataset
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.inputs import not_utf8, read_jsonl, require_regular_file
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
+from gptforge.tokens.tokenizer import Tokenizer
 
 GPT2_124M_ACC_NORM = 0.2955  # OpenAI GPT-2 124M, acc_norm_token (build-nanogpt, llm.c)
 GPT3_125M_ACC_NORM = 0.337  # GPT-3 Small, zero-shot (GPT-3 paper, table 3.4)

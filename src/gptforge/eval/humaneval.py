@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.inputs import not_utf8, read_jsonl, require_regular_file
 from gptforge.model.generate import generate
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
+from gptforge.tokens.tokenizer import Tokenizer
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # the Codex paper's
 # Run as a script by a fresh interpreter, so the limits and the audit hook are in place before the model's code

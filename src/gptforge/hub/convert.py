@@ -20,9 +20,6 @@ import torch
 from safetensors.torch import save_file
 
 from gptforge.config import Config, validate
-from gptforge.data.chat.template import CHAT_TEMPLATE, CHAT_TEXTS, UNMARKED, ChatTokenizer, added_tokens, with_chat
-from gptforge.data.fim import FIM_TEXTS, FIMTokenizer
-from gptforge.data.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import atomic_write, building_dir, usual_mode, write_json
 from gptforge.hub import modern
@@ -37,6 +34,9 @@ from gptforge.hub.foreign import (
 )
 from gptforge.inputs import read_text, utf8_path
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.chat import CHAT_TEMPLATE, CHAT_TEXTS, UNMARKED, ChatTokenizer, added_tokens, with_chat
+from gptforge.tokens.fim import FIM_TEXTS, FIMTokenizer
+from gptforge.tokens.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")  # GPT-2's h.N., Llama's model.layers.N.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gptforge.data.chat.template import CHAT_TEMPLATE, ChatTokenizer, added_tokens
-from gptforge.data.fim import Sentinels
-from gptforge.data.tokenizer import EOT_TEXT, Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import stale_temp_files, usual_mode, writing
 from gptforge.hub import GGUF_FILE_TYPES, modern
 from gptforge.hub.convert import gpt2_vocab_and_merges
 from gptforge.inputs import printable
 from gptforge.model.gpt import GPT, GPTConfig
+from gptforge.tokens.chat import CHAT_TEMPLATE, ChatTokenizer, added_tokens
+from gptforge.tokens.fim import Sentinels
+from gptforge.tokens.tokenizer import EOT_TEXT, Tokenizer
 
 if TYPE_CHECKING:
     import gguf

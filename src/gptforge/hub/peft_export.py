@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.files import building_dir, named, usual_mode, write_json
 from gptforge.hub import modern
 from gptforge.hub.convert import export_hf, write_tokenizer_files
 from gptforge.model.gpt import GPT
 from gptforge.model.lora import LoRASpec, lora_layers, merge_lora
+from gptforge.tokens.tokenizer import Tokenizer
 
 BASE = "base"
 

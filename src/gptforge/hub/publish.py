@@ -7,15 +7,15 @@ from pathlib import Path
 
 from gptforge.checkpoint import load_checkpoint, resolve_checkpoint, write_checkpoint
 from gptforge.config import Config, lora_spec
-from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer, added_tokens
-from gptforge.data.fim import FIM_TEXTS
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.hub.convert import export_hf, import_hf
 from gptforge.hub.git import push_folder
 from gptforge.hub.peft_export import BASE, export_peft
 from gptforge.model.gpt import GPT
 from gptforge.outputs import check_output_dir, check_output_file
+from gptforge.tokens.chat import TEMPLATE_NAME, ChatTokenizer, added_tokens
+from gptforge.tokens.fim import FIM_TEXTS
+from gptforge.tokens.tokenizer import Tokenizer
 
 
 def export_checkpoint(

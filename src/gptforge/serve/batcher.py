@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from gptforge.checkpoint import Inference
-from gptforge.data.fim import end_ids
 from gptforge.errors import GptforgeError
 from gptforge.model.engine import Engine, Sequence
 from gptforge.model.sampling import Sampling
 from gptforge.serve.jobs import Done, Event, Failed, Job, Started, Text
 from gptforge.serve.protocol import ApiError
 from gptforge.serve.text import Continuation
+from gptforge.tokens.fim import end_ids
 
 
 @dataclass

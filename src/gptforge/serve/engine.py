@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from gptforge.checkpoint import Inference, load_for_inference
-from gptforge.data.chat.template import ChatTokenizer, format_chat
-from gptforge.data.fim import FIMTokenizer, infill_prompt
 from gptforge.errors import GptforgeError
 from gptforge.serve.batcher import Batcher
 from gptforge.serve.jobs import Event, Failed, Job, Started
 from gptforge.serve.protocol import ApiError, CompletionRequest, Limits
 from gptforge.serve.runs import FolderGone, Source, find_sources
+from gptforge.tokens.chat import ChatTokenizer, format_chat
+from gptforge.tokens.fim import FIMTokenizer, infill_prompt
 
 KEEP_MODELS = 2  # loaded checkpoints kept, newest use first (a page switching between two runs reloads nothing)
 

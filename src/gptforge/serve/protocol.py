@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptforge.data.chat.template import ConversationError, parse_messages
+from gptforge.tokens.chat import ConversationError, parse_messages
 
 # Accepted only at the value that means "off": clients send them, gptforge does not implement them.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "logit_bias": {}}
@@ -64,7 +64,7 @@ class CompletionRequest:
     middle: str = ""
     """Infill: the start of the middle already typed (llama.cpp's /infill `prompt`); the completion continues it."""
     messages: list | None = None
-    """Chat: the conversation (data.chat.template.Message), formatted with the model's chat template as one prompt."""
+    """Chat: the conversation (tokens.chat.Message), formatted with the model's chat template as one prompt."""
 
 
 def _number(body: dict, key: str, default, low: float, high: float, integer: bool = False):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gptforge.data.tokenizer import Tokenizer
+from gptforge.tokens.tokenizer import Tokenizer
 
 
 class Continuation:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from gptforge.config import Config, lora_spec
-from gptforge.data.chat.template import TEMPLATE_NAME, ChatTokenizer, with_chat
-from gptforge.data.tokenizer import Tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import LoRASpec, apply_lora
+from gptforge.tokens.chat import TEMPLATE_NAME, ChatTokenizer, with_chat
+from gptforge.tokens.tokenizer import Tokenizer
 
 NEW_ROWS_SEED = 0x5F7  # the embedding rows a fine-tuning adds (the template's tokens) start the same on every rank
 

@@ -20,11 +20,11 @@ import torch
 from gptforge.checkpoint import META, load_checkpoint, quiet_model, read_meta, resolve_checkpoint
 from gptforge.config import Config, config_from_dict
 from gptforge.config.sections import AUTO_PROMPT
-from gptforge.data.fim import FIM, FIMTokenizer, with_fim
+from gptforge.data.fim import FIM
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader, Source, open_mix, parse_mix
 from gptforge.data.shards import fingerprint, read_manifest
-from gptforge.data.tokenizer import Tokenizer, check_data_tokenizer, load_tokenizer
+from gptforge.data.tokenizer import check_data_tokenizer
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.runtime import dtype_name
@@ -33,6 +33,8 @@ from gptforge.runtime.distributed import DistEnv, broadcast_int, wrap
 from gptforge.runtime.flops import format_flops, peak_flops
 from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
+from gptforge.tokens.fim import FIMTokenizer, with_fim
+from gptforge.tokens.tokenizer import Tokenizer, load_tokenizer
 from gptforge.train.finetune import adapt, chat_template, chat_tokenizer, check_fim, fit_vocabulary, packed_model
 from gptforge.train.optim import build_optimizer, lr_at
 from gptforge.train.plan import GIB, check_fits, grad_accumulation

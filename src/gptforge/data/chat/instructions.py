@@ -12,8 +12,8 @@ import textwrap
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from gptforge.data.chat.template import Message
 from gptforge.data.pipeline import is_validation
+from gptforge.tokens.chat import Message
 
 MAX_SOURCE_CHARS = 1500  # a reply must fit the demo's context with its request (~4 characters a token)
 MIN_SOURCE_LINES = 3

@@ -1,6 +1,6 @@
 """`gptforge prepare SOURCE --chat`: JSONL conversations -> token shards, a loss mask beside each, a manifest.
 
-Each row is one conversation, in OpenAI's form or Alpaca's (`data.chat.template`). A bad row is skipped, counted and
+Each row is one conversation, in OpenAI's form or Alpaca's (`tokens.chat`). A bad row is skipped, counted and
 named (`file:line`) in report.md. Conversations are de-duplicated (exact and MinHash, on their text), decontaminated
 and split whole; a row may name its split (`"split": "val"`), else a stable hash of its text decides. Each
 conversation is followed by EOT (outside the loss), so a loader finds where one ends as in any data folder.
@@ -20,7 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from gptforge.data.chat.template import (
+from gptforge.data.clean.decontaminate import eval_ngrams, is_contaminated
+from gptforge.data.clean.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
+from gptforge.data.pipeline import is_validation
+from gptforge.data.prepare_settings import check_dedup
+from gptforge.data.report import REMOVED_FILE, removal
+from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_manifest, write_mask, write_shard
+from gptforge.data.sources import is_data_folder
+from gptforge.errors import GptforgeError
+from gptforge.files import atomic_write, building_dir, locked
+from gptforge.inputs import not_utf8, open_jsonl, parse_json, printable, reading
+from gptforge.outputs import check_output_dir, output_folder
+from gptforge.tokens.chat import (
     CHAT_TEXTS,
     TEMPLATE_NAME,
     ConversationError,
@@ -29,18 +40,7 @@ from gptforge.data.chat.template import (
     format_chat,
     with_chat,
 )
-from gptforge.data.clean.decontaminate import eval_ngrams, is_contaminated
-from gptforge.data.clean.dedup import Deduplicator, DedupSettings, Fingerprint, fingerprint
-from gptforge.data.pipeline import is_validation
-from gptforge.data.prepare_settings import check_dedup
-from gptforge.data.report import REMOVED_FILE, removal
-from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_manifest, write_mask, write_shard
-from gptforge.data.sources import is_data_folder
-from gptforge.data.tokenizer import load_tokenizer
-from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, building_dir, locked
-from gptforge.inputs import not_utf8, open_jsonl, parse_json, printable, reading
-from gptforge.outputs import check_output_dir, output_folder
+from gptforge.tokens.tokenizer import load_tokenizer
 
 SHOWN_BAD_ROWS = 20
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gptforge.data.fim import with_fim
-from gptforge.data.tokenizer import ExtendedTokenizer, Tokenizer
 from gptforge.errors import GptforgeError
+from gptforge.tokens.fim import with_fim
+from gptforge.tokens.tokenizer import ExtendedTokenizer, Tokenizer
 
 CHAT_TEXTS = ("<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
