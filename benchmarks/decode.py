@@ -1,8 +1,9 @@
 """Decoding speed of one checkpoint: gptforge's engine against llama.cpp (the same weights as GGUF, f32 and q8_0)
 and `transformers` (the same weights as an HF folder), interleaved round by round in one process.
 
-    python benchmarks/decode.py RUN_OR_CKPT [--threads 2] [--new-tokens 128] [--rounds 3] [--batches 1,8,32]
-        [--device cpu] [--dtype float32] [--no-llama] [--no-hf] [--json OUT.json]
+    python benchmarks/decode.py RUN_OR_CKPT|- [--preset NAME] [--threads 2] [--new-tokens 128] [--rounds 3]
+        [--batches 1,8,32] [--device cpu] [--dtype float32] [--decode rows|static|compiled] [--no-llama] [--no-hf]
+        [--json OUT.json]
 
 Per candidate: greedy decode tokens/s and ms a token at each batch (a prompt's prefill excluded), prefill tokens/s
 and time to first token for a prompt of half the context. llama.cpp runs batch 1 only (its Python binding decodes
@@ -21,9 +22,12 @@ from pathlib import Path
 import torch
 
 from gptforge.checkpoint import load_checkpoint
-from gptforge.model.engine import Engine, Sequence, column_major
+from gptforge.config import load_config
+from gptforge.model.engine import DECODES, Engine, Sequence, column_major
+from gptforge.model.gpt import GPT
 from gptforge.runtime.device import resolve_device
 from gptforge.runtime.threads import sustained_matmul_flops
+from gptforge.tokens.tokenizer import load_tokenizer
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
@@ -33,12 +37,12 @@ class Ours:
 
     name = "gptforge"
 
-    def __init__(self, model, dtype: torch.dtype) -> None:
-        self.model, self.dtype = model, dtype
+    def __init__(self, model, dtype: torch.dtype, decode: str) -> None:
+        self.model, self.dtype, self.decode_mode = model, dtype, decode
 
     def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
         """(seconds to the first token of every row, seconds for the rest)."""
-        engine = Engine(self.model, rows=batch, dtype=self.dtype)
+        engine = Engine(self.model, rows=batch, dtype=self.dtype, decode=self.decode_mode)
         seqs = [Sequence(list(prompt), new) for _ in range(batch)]
         engine.submit(*seqs)
         start = time.perf_counter()
@@ -127,20 +131,26 @@ def measure(candidates: list, cases: list[tuple[list[int], int, int]], rounds: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", help="a run or checkpoint; or --preset NAME for random weights of its shape")
+    parser.add_argument("--preset", help="time a freshly initialised model of this preset (GPT-2 BPE) instead")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--decode", default="rows", choices=DECODES, help="the engine's decode step")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = resolve_device(args.device, "--device"), getattr(torch, args.dtype)
-    model, tok, _, meta = load_checkpoint(args.checkpoint, device)
+    if args.preset:  # speed does not depend on the weights: a GPU machine needs no trained checkpoint
+        torch.manual_seed(0)
+        model, tok, meta = GPT(load_config(args.preset).model).to(device).eval(), load_tokenizer("gpt2"), {"step": 0}
+    else:
+        model, tok, _, meta = load_checkpoint(args.checkpoint, device)
     block = model.config.block_size
     new = min(args.new_tokens, block // 2)
     short = tok.encode(PROMPT)
@@ -160,7 +170,7 @@ def main() -> None:
             candidates.append(Transformers(export_hf(model, tok, Path(tmp) / "hf"), device, dtype))
         if device.type == "cpu":  # as `load_for_inference` lays them out for sample, chat and serve
             column_major(model)
-        candidates.insert(0, Ours(model, dtype))
+        candidates.insert(0, Ours(model, dtype, args.decode))
         measure(candidates, [(short, 8, 1)], 1)  # warm-up: first calls allocate and load kernels
         result = measure(candidates, cases, args.rounds)
     peaks = {
@@ -168,7 +178,7 @@ def main() -> None:
         for name, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
     report = {
-        "checkpoint": str(args.checkpoint),
+        "checkpoint": args.preset or str(args.checkpoint),
         "step": meta["step"],
         "parameters": model.num_params(),
         "host": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -176,6 +186,7 @@ def main() -> None:
         "threads": args.threads,
         "device": str(device),
         "dtype": args.dtype,
+        "decode": args.decode,
         "matmul_gflops": peaks,
         "results": result,
     }

@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu.sh sweep      # tokens/s and memory at each micro-batch (SIZES, default 8..128) of PRESETS
 #                                     # (default gpt2-124m gpt2-350m speedrun-124m) up to the first that fails, then
 #                                     # one gpt2-xl step with activation checkpointing (micro-batch XL_BATCH, default 16)
+#   bash benchmarks/gpu.sh decode     # the engine's decode of gpt2-124m (random weights, bf16): each decode step
+#                                     # (eager rows, compiled in CUDA graphs) at batch 1, 8, 32 against transformers
 #   bash benchmarks/gpu.sh peers      # gptforge `bench` of gpt2-124m, llm.c (built here, cuDNN attention) and
 #                                     # build-nanogpt's own compiled step, each timed twice, interleaved, on
 #                                     # 524,288-token steps; a table of tokens/s and ratios (benchmarks/peers_table.py).
@@ -59,6 +61,12 @@ PY
         | grep -v DEBUG | tee "$out/speedrun.log" | grep -E "speedrun|time budget|share|bpb|step .*/" | tail -40
     cp /tmp/speedrun/speedrun.json /tmp/speedrun/speedrun.png "$out/" 2>/dev/null
     for run in /tmp/speedrun/*-seed*; do cp "$run/metrics.jsonl" "$out/$(basename "$run").jsonl"; done
+    ;;
+decode)
+    for mode in rows compiled; do
+        timeout 240 python3 benchmarks/decode.py - --preset gpt2-124m --device cuda --dtype bfloat16 --decode "$mode" \
+            --no-llama --new-tokens 256 --batches 1,8,32 --json "$out/decode-$mode.json" 2>&1 | grep -v -e DEBUG -e Warn
+    done
     ;;
 profile)
     python3 benchmarks/profile_step.py --config "${PRESET:-gpt2-124m}" --steps 3 --warmup 3 \

@@ -77,7 +77,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.block = model.config.block_size
         self.cache = (RowCache if decode == "rows" else StaticCache)(model.config, rows, self.device)
-        self._decode = _compiled_step() if decode == "compiled" else forward_logits
+        self._decode = _compiled_step(self.device.type) if decode == "compiled" else forward_logits
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # row i of the cache
         self.past: list[Sequence] = []  # past the context (or uncached): each recomputes its window a step
@@ -250,9 +250,11 @@ def _by_length(seqs: list[Sequence], block: int) -> list[list[Sequence]]:
 
 
 @functools.cache
-def _compiled_step() -> Callable:
-    """`forward_logits` compiled once per process (each batch size and model shape a graph of its own)."""
-    return torch.compile(forward_logits, dynamic=False, fullgraph=True)
+def _compiled_step(device_type: str) -> Callable:
+    """`forward_logits` compiled once per process and device type (each batch size and model shape a graph of its
+    own); on CUDA captured in CUDA graphs, as the step is launch-bound there."""
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    return torch.compile(forward_logits, dynamic=False, fullgraph=True, mode=mode)
 
 
 @torch.no_grad()
