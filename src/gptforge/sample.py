@@ -13,7 +13,7 @@ from gptforge.errors import GptforgeError
 from gptforge.inputs import not_utf8
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
-from gptforge.tokens.chat import ChatTokenizer, Message, format_chat
+from gptforge.tokens.chat import Message, chat_template, format_chat
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
 
 # How an infilled middle stands out on a terminal: reverse video, an attribute rather than characters, so what is
@@ -57,7 +57,7 @@ def sample_texts(
 
 def check_chat_model(run: Inference, checkpoint: str, flag: str = "") -> None:
     """Refuse a model that was never taught the chat template: its vocabulary has no <|im_start|> to read."""
-    if not isinstance(run.tokenizer, ChatTokenizer):
+    if chat_template(run.tokenizer) is None:
         raise GptforgeError(
             f"{flag + ': ' if flag else ''}{checkpoint} is a base model without the chat template; fine-tune it on "
             f"conversations first (prepare --chat, then train with --set train.init_from={checkpoint})"

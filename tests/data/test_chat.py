@@ -106,3 +106,15 @@ def test_text_parts_are_joined_as_they_are_for_training_and_serving():
     row = {"messages": [{"role": "user", "content": "Write add."}, {"role": "assistant", "content": parts}]}
     assert conversation_from_row(row)[1] == Message("assistant", "def add(a, b):\n    return a + b")
     assert parse_messages([{"role": "user", "content": parts[:1] * 2}])[0].content == "def add(a, b):def add(a, b):"
+
+
+def test_the_chat_template_is_one_object_a_base_model_has_none():
+    from gptforge.config import load_config
+    from gptforge.tokens.chat import CHATML, TEMPLATES, chat_template
+    from gptforge.tokens.tokenizer import GPT2Tokenizer
+
+    base = GPT2Tokenizer()
+    chat = with_chat(base)
+    assert chat_template(base) is None and chat_template(chat) is CHATML is TEMPLATES["chatml"]
+    assert chat.texts == CHATML.texts and chat.decode([chat.im_start, chat.im_end]) == "".join(CHATML.texts)
+    assert load_config("tiny", ["data.chat_template=chatml"]).data.chat_template == "chatml"

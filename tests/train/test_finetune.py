@@ -163,15 +163,15 @@ def test_a_chat_run_and_its_base_disagreeing_on_fim_is_refused():
 def test_conversations_with_fim_on_either_side_are_refused():
     """A chat folder's template ids are the two past the vocabulary, FIM's first sentinels to a FIM model: trained
     as such they taught <|fim_prefix|> as a turn's start, and serving's prompts used ids never trained."""
-    from gptforge.train.finetune import chat_template
+    from gptforge.train.finetune import template_name
 
     chat, plain = [{"chat": {"template": "chatml", "special_tokens": ["<|im_start|>", "<|im_end|>"]}}], [{}]
     fim = load_config("tiny", ["data.fim_rate=0.5"])
     with pytest.raises(GptforgeError, match=r"data.fim_rate=0.5: conversations \(prepare --chat\) are not trained"):
-        chat_template(fim, [*plain, *chat], None)  # a mix with a chat folder too
+        template_name(fim, [*plain, *chat], None)  # a mix with a chat folder too
     with pytest.raises(GptforgeError, match="train.init_from=base: trained with data.fim_rate=0.5; a FIM model is"):
-        chat_template(load_config("tiny", ["train.init_from=base"]), chat, fim)
-    assert chat_template(fim, plain, None) == "" and chat_template(load_config("tiny"), chat, None) == "chatml"
+        template_name(load_config("tiny", ["train.init_from=base"]), chat, fim)
+    assert template_name(fim, plain, None) == "" and template_name(load_config("tiny"), chat, None) == "chatml"
 
 
 def test_a_fine_tuning_computes_in_the_precision_its_base_learned_in(chat_dir, base, monkeypatch):
@@ -190,12 +190,12 @@ def test_a_fine_tuning_computes_in_the_precision_its_base_learned_in(chat_dir, b
 
 def test_a_chat_model_stays_one_on_plain_data_and_lora_values_are_checked():
     from gptforge.errors import GptforgeError
-    from gptforge.train.finetune import chat_template
+    from gptforge.train.finetune import template_name
 
     chat_base = load_config("tiny", ["data.chat_template=chatml"])
     plain = load_config("tiny", ["train.init_from=base"])
-    assert chat_template(plain, [{"tokenizer": {}}], chat_base) == "chatml"  # inherited from the base
-    assert chat_template(plain, [{"tokenizer": {}}], load_config("tiny")) == ""
+    assert template_name(plain, [{"tokenizer": {}}], chat_base) == "chatml"  # inherited from the base
+    assert template_name(plain, [{"tokenizer": {}}], load_config("tiny")) == ""
     lora = ["train.init_from=base", "train.lora_rank=4"]
     for bad, says in (("train.lora_dropout=1", r"in \[0, 1\)"), ("train.lora_rank=-1", r"in \[0, 4096\]")):
         with pytest.raises(GptforgeError, match=f"{bad.split('=')[0]}=.*{says}"):

@@ -12,7 +12,7 @@ from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.model.lora import TARGETS as LORA_TARGETS
 from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
-from gptforge.tokens.chat import TEMPLATE_NAME
+from gptforge.tokens.chat import TEMPLATES
 
 
 def _at_least(low: float) -> tuple[Any, str]:
@@ -63,7 +63,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optim.muon_momentum": _within(0, 1),
     "data.fim_rate": _within(0, 1, high_ok=True),
     "data.fim_spm_rate": _within(0, 1, high_ok=True),
-    "data.chat_template": ((lambda v: v in ("", TEMPLATE_NAME)), f"'' (a base model) or {TEMPLATE_NAME}"),
+    "data.chat_template": ((lambda v: v in ("", *TEMPLATES)), f"'' (a base model) or {', '.join(TEMPLATES)}"),
     "train.micro_batch": _at_least(1),
     "train.batch_tokens": _within(1, 2**48, high_ok=True),
     "train.seed": ((lambda v: 0 <= v < 2**63), "in [0, 2**63)"),

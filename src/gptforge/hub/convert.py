@@ -34,7 +34,7 @@ from gptforge.hub.foreign import (
 )
 from gptforge.inputs import read_text, utf8_path
 from gptforge.model.gpt import GPT, GPTConfig
-from gptforge.tokens.chat import CHAT_TEMPLATE, CHAT_TEXTS, UNMARKED, ChatTokenizer, added_tokens, with_chat
+from gptforge.tokens.chat import CHAT_TEXTS, UNMARKED, ChatTokenizer, added_tokens, chat_template, with_chat
 from gptforge.tokens.fim import FIM_TEXTS, FIMTokenizer
 from gptforge.tokens.tokenizer import EOT_TEXT, Tokenizer, load_tokenizer
 
@@ -139,7 +139,8 @@ def gpt_config_from_hf(config: dict[str, Any], where: Path) -> GPTConfig:
 def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
     """Files AutoTokenizer loads: GPT-2's vocab.json/merges.txt, or a trained BPE's tokenizer.json."""
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    if isinstance(tokenizer, ChatTokenizer):  # its template's marks need the normalizer only tokenizer.json holds
+    template = chat_template(tokenizer)
+    if template:  # its template's marks need the normalizer only tokenizer.json holds
         atomic_write(out / "tokenizer.json", chat_tokenizer_json(tokenizer))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
     elif tokenizer.path is None:
@@ -154,8 +155,8 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> N
     if added:
         config["added_tokens_decoder"] = {str(i): {"content": t, "special": True} for i, t in added.items()}
         config["additional_special_tokens"] = list(added.values())
-    if isinstance(tokenizer, ChatTokenizer):  # apply_chat_template then gives our ids; a reply ends at <|im_end|>
-        config["chat_template"] = CHAT_TEMPLATE
+    if template:  # apply_chat_template then gives our ids; a reply ends at <|im_end|>
+        config["chat_template"] = template.jinja
     write_json(out / "tokenizer_config.json", config)
     write_json(out / "special_tokens_map.json", special)
 
@@ -327,4 +328,4 @@ def _declares_tokens(hf_dir: Path, tokenizer: Tokenizer, texts: tuple[str, ...])
 
 def end_ids(tokenizer: Tokenizer) -> int | list[int]:
     """The ids `generate` stops at: EOT, and a chat model's <|im_end|> (the end of its reply)."""
-    return [tokenizer.eot, tokenizer.im_end] if isinstance(tokenizer, ChatTokenizer) else tokenizer.eot
+    return [tokenizer.eot, tokenizer.im_end] if chat_template(tokenizer) else tokenizer.eot

@@ -26,7 +26,7 @@ from gptforge.hub import GGUF_FILE_TYPES, modern
 from gptforge.hub.convert import gpt2_vocab_and_merges
 from gptforge.inputs import printable
 from gptforge.model.gpt import GPT, GPTConfig
-from gptforge.tokens.chat import CHAT_TEMPLATE, ChatTokenizer, added_tokens
+from gptforge.tokens.chat import added_tokens, chat_template
 from gptforge.tokens.fim import Sentinels
 from gptforge.tokens.tokenizer import EOT_TEXT, Tokenizer
 
@@ -70,7 +70,9 @@ class GGUFVocab:
     fim: Sentinels | None = None
     """Fill-in-the-middle sentinels (a run with data.fim_rate): llama.cpp's /infill and editor plugins use them."""
     chat_end: int | None = None
-    """A chat model's <|im_end|>: llama.cpp ends a reply there, and formats messages with CHAT_TEMPLATE."""
+    """A chat model's <|im_end|>: llama.cpp ends a reply there."""
+    chat_jinja: str | None = None
+    """A chat model's template, with which llama.cpp formats messages."""
 
 
 def gguf_arch(cfg: GPTConfig) -> str:
@@ -109,7 +111,8 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> GGUFVocab:
         merges=merges,
         eot=tokenizer.eot,
         fim=getattr(tokenizer, "sentinels", None),
-        chat_end=tokenizer.im_end if isinstance(tokenizer, ChatTokenizer) else None,
+        chat_end=tokenizer.im_end if (template := chat_template(tokenizer)) else None,
+        chat_jinja=template.jinja if template else None,
     )
 
 
@@ -266,7 +269,7 @@ def _add_vocab(writer: gguf.GGUFWriter, vocab: GGUFVocab) -> None:
     writer.add_eos_token_id(vocab.eot)
     writer.add_add_bos_token(False)
     if vocab.chat_end is not None:
-        writer.add_chat_template(CHAT_TEMPLATE)
+        writer.add_chat_template(vocab.chat_jinja)
         writer.add_eot_token_id(vocab.chat_end)  # an end of generation: llama.cpp stops a reply there
     if vocab.fim is not None:
         writer.add_uint32(gguf.Keys.Tokenizer.FIM_PRE_ID, vocab.fim.prefix)

@@ -13,7 +13,7 @@ from gptforge.hub.git import push_folder
 from gptforge.hub.peft_export import BASE, export_peft
 from gptforge.model.gpt import GPT
 from gptforge.outputs import check_output_dir, check_output_file
-from gptforge.tokens.chat import TEMPLATE_NAME, ChatTokenizer, added_tokens
+from gptforge.tokens.chat import added_tokens, chat_template
 from gptforge.tokens.fim import FIM_TEXTS
 from gptforge.tokens.tokenizer import Tokenizer
 
@@ -91,7 +91,7 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, force: bool = False) 
     meta = {"step": 0, "tokens": 0, "imported_from": str(hf_dir)}
     cfg = Config(model=model.config)
     cfg.train.dtype = precision  # sampling and evaluation compute in it, as transformers would
-    cfg.data.chat_template = TEMPLATE_NAME if isinstance(tok, ChatTokenizer) else ""  # our chat export, back
+    cfg.data.chat_template = template.name if (template := chat_template(tok)) else ""  # our chat export, back
     # our FIM export, back: the rate is not exported, StarCoder's stands for it (what counts is that it is not 0)
     cfg.data.fim_rate = 0.5 if FIM_TEXTS[0] in added_tokens(tok).values() else 0.0
     path = write_checkpoint(Path(out), model, None, cfg, tok, meta)

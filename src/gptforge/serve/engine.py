@@ -17,7 +17,7 @@ from gptforge.serve.batcher import Batcher
 from gptforge.serve.jobs import Event, Failed, Job, Started
 from gptforge.serve.protocol import ApiError, CompletionRequest, Limits
 from gptforge.serve.runs import FolderGone, Source, find_sources
-from gptforge.tokens.chat import ChatTokenizer, format_chat
+from gptforge.tokens.chat import chat_template, format_chat
 from gptforge.tokens.fim import FIMTokenizer, infill_prompt
 
 KEEP_MODELS = 2  # loaded checkpoints kept, newest use first (a page switching between two runs reloads nothing)
@@ -95,7 +95,7 @@ class Engine:
         longer than the model's context is refused, as OpenAI's API does."""
         tok = run.tokenizer
         if req.messages is not None:
-            if not isinstance(tok, ChatTokenizer):
+            if chat_template(tok) is None:
                 raise ApiError(
                     400,
                     f"the model '{req.model}' is a base model without a chat template: POST /v1/completions with a "

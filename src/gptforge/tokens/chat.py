@@ -67,14 +67,35 @@ class ChatTokens:
     mask: np.ndarray
 
 
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A conversation format, saved with a checkpoint by its name (`data.chat_template`): the tokens it appends,
+    and its Jinja twin, which exports carry. `format_chat` renders it; `ChatTokenizer.stop_ids` end a reply."""
+
+    name: str
+    texts: tuple[str, ...]
+    jinja: str
+
+
+CHATML = ChatTemplate(TEMPLATE_NAME, CHAT_TEXTS, CHAT_TEMPLATE)
+TEMPLATES = {template.name: template for template in (CHATML,)}
+
+
 class ChatTokenizer(ExtendedTokenizer):
-    """A tokenizer with `<|im_start|>` and `<|im_end|>` appended past its vocabulary."""
+    """A tokenizer with its chat template's tokens (`<|im_start|>`, `<|im_end|>`) appended past its vocabulary."""
+
+    template = CHATML
 
     def __init__(self, base: Tokenizer) -> None:
-        super().__init__(base, CHAT_TEXTS)
+        super().__init__(base, self.template.texts)
         self.im_start, self.im_end = base.vocab_size, base.vocab_size + 1
         self.sentinels = getattr(base, "sentinels", None)  # a FIM base keeps infilling
         self.stop_ids = (self.im_end,)  # a reply ends with its turn
+
+
+def chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The template a model speaks in, None for a base model: the one question "is this a chat model?"."""
+    return tokenizer.template if isinstance(tokenizer, ChatTokenizer) else None
 
 
 def added_tokens(tokenizer: Tokenizer) -> dict[int, str]:

@@ -12,7 +12,7 @@ from gptforge.config import Config, lora_spec
 from gptforge.errors import GptforgeError
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import LoRASpec, apply_lora
-from gptforge.tokens.chat import TEMPLATE_NAME, ChatTokenizer, with_chat
+from gptforge.tokens.chat import TEMPLATE_NAME, chat_template, with_chat
 from gptforge.tokens.tokenizer import Tokenizer
 
 NEW_ROWS_SEED = 0x5F7  # the embedding rows a fine-tuning adds (the template's tokens) start the same on every rank
@@ -23,7 +23,7 @@ def is_chat_data(manifests: list[dict[str, Any]]) -> bool:
     return any(m.get("chat") for m in manifests)
 
 
-def chat_template(cfg: Config, manifests: list[dict[str, Any]], init_cfg: Config | None) -> str:
+def template_name(cfg: Config, manifests: list[dict[str, Any]], init_cfg: Config | None) -> str:
     """The template the run's model speaks: its data's, its own (a resume), or the model it starts from's."""
     if is_chat_data(manifests):
         check_no_fim(cfg, init_cfg)
@@ -60,7 +60,7 @@ def check_fim(cfg: Config, init_cfg: Config | None, template: str) -> None:
 
 
 def chat_tokenizer(tokenizer: Tokenizer, template: str) -> Tokenizer:
-    return with_chat(tokenizer) if template and not isinstance(tokenizer, ChatTokenizer) else tokenizer
+    return with_chat(tokenizer) if template and chat_template(tokenizer) is None else tokenizer
 
 
 def packed_model(model_cfg: GPTConfig, manifests: list[dict[str, Any]], eot: int) -> GPTConfig:

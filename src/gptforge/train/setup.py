@@ -35,7 +35,7 @@ from gptforge.runtime.fsdp import is_sharded, shard, whole_weights
 from gptforge.runtime.threads import busy_warning, use_threads
 from gptforge.tokens.fim import FIMTokenizer, with_fim
 from gptforge.tokens.tokenizer import Tokenizer, load_tokenizer
-from gptforge.train.finetune import adapt, chat_template, chat_tokenizer, check_fim, fit_vocabulary, packed_model
+from gptforge.train.finetune import adapt, chat_tokenizer, check_fim, fit_vocabulary, packed_model, template_name
 from gptforge.train.optim import build_optimizer, lr_at
 from gptforge.train.plan import GIB, check_fits, grad_accumulation
 
@@ -82,13 +82,13 @@ def open_data(cfg: Config) -> Data:
     if cfg.data.mix:
         sources = parse_mix(cfg.data.mix)
         tokenizer, manifests = open_mix(sources)
-        tokenizer = chat_tokenizer(with_fim(tokenizer, cfg.data.fim_rate), chat_template(cfg, manifests, None))
+        tokenizer = chat_tokenizer(with_fim(tokenizer, cfg.data.fim_rate), template_name(cfg, manifests, None))
         return Data(sources, manifests, tokenizer, mixed=True)
     if not cfg.data.path:
         raise GptforgeError("no training data: pass --data DIR (a folder written by `gptforge prepare`) or data.mix")
     manifest = read_manifest(cfg.data.path)
     tokenizer = with_fim(load_tokenizer(manifest["tokenizer"]["name"], cfg.data.path), cfg.data.fim_rate)
-    tokenizer = chat_tokenizer(tokenizer, chat_template(cfg, [manifest], None))
+    tokenizer = chat_tokenizer(tokenizer, template_name(cfg, [manifest], None))
     return Data(parse_mix([f"{cfg.data.path}=1"]), [manifest], tokenizer, mixed=False)  # a one-folder mix
 
 
@@ -188,7 +188,7 @@ def resolve_config(
         init_model, init_tok, init_cfg, _ = load_checkpoint(cfg.train.init_from)
         check_data_tokenizer(tokenizer, ", ".join(data.folders), init_tok, f"train.init_from={cfg.train.init_from}")
         model_cfg, weights = dataclasses.replace(init_cfg.model, **execution), init_model.state_dict()
-    template = chat_template(cfg, data.manifests, init_cfg)  # a chat model stays one
+    template = template_name(cfg, data.manifests, init_cfg)  # a chat model stays one
     check_fim(cfg, init_cfg, template)
     data.tokenizer = tokenizer = chat_tokenizer(tokenizer, template)
     model_cfg = dataclasses.replace(
