@@ -163,6 +163,9 @@ GOOD = {"ctx": "def add(a, b):", "endings": [" return a + b", " pass", " x", " y
         {"label": " 2 "},
         {"label": "\u0663"},  # an Arabic-Indic 3
         {"label": 4},
+        {"endings": ["", "", "", ""]},  # four ties scored the first: 100%
+        {"endings": ["a", " ", "c", "d"]},
+        {"ctx": ""},
     ],
 )
 def test_a_malformed_hellaswag_row_is_one_line_naming_it(tmp_path, change):

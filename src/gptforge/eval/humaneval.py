@@ -142,7 +142,7 @@ def evaluate_humaneval(
         with autocast(device, dtype):
             outs = generate(
                 model,
-                tok.encode(problem["prompt"]),
+                tok.encode(problem["prompt"]) or [tok.eot],  # an empty prompt starts a document, as in sample
                 max_new_tokens,
                 n,
                 temperature=temperature,
