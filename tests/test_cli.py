@@ -503,3 +503,31 @@ def test_the_demo_names_an_empty_data_or_base_as_itself(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert err == f"gptforge demo: error: {args[-2]} {args[-1]!r}: empty (expected a folder name)\n", err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_midway_through_an_export_cleans_up_as_ctrl_c_does(tmp_path, data_dir, capsys):
+    """SIGTERM killed the process where it stood: a half-built export stayed in its hidden temporary folder."""
+    import signal
+    import subprocess
+
+    run = tmp_path / "run"
+    tiny = ["--config", "tiny", "--data", str(data_dir), "--set", "train.max_steps=1"]
+    assert main(["train", *tiny, "--out", str(run)]) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    program = (  # `timeout`, systemd or a scheduler stopping the job once the tokenizer files are written
+        "import os, signal, sys\n"
+        "import gptforge.hub.convert as c\n"
+        "from gptforge.cli import main\n"
+        "real = c.write_tokenizer_files\n"
+        "c.write_tokenizer_files = lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGTERM))\n"
+        f"code = main(['export', {str(run)!r}, '--out', {str(out)!r}, '--force'])\n"
+        "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, 'not given back'\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGTERM, "terminated\n"), done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"] and [p.name for p in out.iterdir()] == [
+        "mine.txt"
+    ]

@@ -374,17 +374,27 @@ def test_ctrl_c_between_a_swaps_renames_waits_for_the_swap_to_end(tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
 
 
-def test_old_contents_a_kill_left_are_named_by_the_next_write(tmp_path, capsys):
-    """kill -9 midway through a swap splits the folder; a rerun never mentioned the hidden old contents."""
+def test_old_contents_a_kill_left_stop_the_next_write_and_an_empty_one_goes(tmp_path):
+    """kill -9 midway through a swap splits the folder; a rerun said nothing of the hidden old contents, and
+    replacing the folder again then lost what had stayed in it."""
     out = tmp_path / "out"
-    stranded = tmp_path / ".out.gptforge-old-4242-0badf00d"
+    out.mkdir()
+    (out / "stayed").write_text("mine")
+    dead = 2**22 + 12345  # past Linux's largest pid: no such process
+    stranded = tmp_path / f".out.gptforge-old-{dead}-0badf00d"
     stranded.mkdir()
-    (tmp_path / ".outer.gptforge-old-1-00000000").mkdir()  # another folder's: not named
+    (stranded / "moved").write_text("mine too")
+    (tmp_path / f".outer.gptforge-old-{dead}-00000000").mkdir()  # another folder's: not ours to judge
+    (tmp_path / f".out.gptforge-old-{os.getpid()}-11111111").mkdir()  # a live process still swapping
+    refused = pytest.raises(GptforgeError, match=rf"^{stranded}: old contents of out that a gptforge killed")
+    with refused, building_dir(out) as tmp:
+        (tmp / "f").write_text("new")
+    assert (out / "stayed").read_text() == "mine" and (stranded / "moved").read_text() == "mine too"
+    (stranded / "moved").unlink()  # the user sorted it out, leaving the folder empty: it is removed
     with building_dir(out) as tmp:
         (tmp / "f").write_text("new")
-    err = capsys.readouterr().err
-    assert f"warning: {stranded} holds old contents of out" in err and err.count("\n") == 1, err
-    assert stranded.is_dir() and (out / "f").read_text() == "new"  # never deleted: the user looks first
+    assert not stranded.exists() and [p.name for p in out.iterdir()] == ["f"]
+    assert (tmp_path / f".outer.gptforge-old-{dead}-00000000").is_dir()
 
 
 def test_a_way_to_the_current_folder_through_a_link_inside_it_swaps_in_place(tmp_path, monkeypatch):

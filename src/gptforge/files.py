@@ -20,7 +20,6 @@ import secrets
 import shutil
 import signal
 import stat
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -98,14 +97,17 @@ def temp_dir_path(final: Path) -> Path:
 
 
 def temp_dir_for(final: Path) -> Path:
-    """A fresh `temp_dir_path(final)` (a crash's leftover is cleared; old contents a kill -9 stranded are named)."""
+    """A fresh `temp_dir_path(final)` (a crash's leftover is cleared). Old contents a kill -9 stranded mid-swap stop
+    the write (replacing `final` again would lose what stayed in it) until the user sorts them out; an empty
+    stranded folder is removed."""
     for old in leftovers(final):
-        print(
-            f"warning: {old} holds old contents of {named(final).name} that a gptforge killed while replacing it left; "
-            "look in it, then delete it",
-            file=sys.stderr,
-            flush=True,
-        )
+        with contextlib.suppress(OSError):
+            old.rmdir()
+        if old.exists():
+            raise GptforgeError(
+                f"{old}: old contents of {named(final).name} that a gptforge killed while replacing it left (the rest "
+                "may still be in it); move back what you need and delete this folder, then run again"
+            )
     tmp = temp_dir_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -159,9 +161,21 @@ def _aside(final: Path) -> Path:
 
 
 def leftovers(final: Path) -> list[Path]:
-    """Old contents of `final` left beside it by a gptforge killed midway through replacing it (kill -9)."""
+    """Old contents of `final` left beside it by a gptforge killed midway through replacing it (kill -9): those
+    whose process is gone (a live one is still swapping)."""
     final = named(final)
-    return sorted(final.parent.glob(f".{glob.escape(final.name)}{OLD_MARK}*")) if final.parent.is_dir() else []
+    found = final.parent.glob(f".{glob.escape(final.name)}{OLD_MARK}*") if final.parent.is_dir() else []
+    return sorted(p for p in found if not _running(p.name.rpartition(OLD_MARK)[2].partition("-")[0]))
+
+
+def _running(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, OverflowError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -8,7 +8,9 @@ import functools
 import io
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -31,10 +33,30 @@ def _bytes_as_given() -> None:
             stream.reconfigure(errors="surrogateescape")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, met as Ctrl-C is: what a command built so far is cleaned up on the way out (the default action
+    killed the process where it stood, leaving a half-built export in its hidden temporary folder)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     _bytes_as_given()
     args = build_parser().parse_args(argv)
+    owned = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if owned:  # a caller's own handler (an application running main() in-process) is left alone
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    finally:
+        if owned:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run(args) -> int:
     try:
         with warnings.catch_warnings():  # restores the previous showwarning for a caller that runs main() in-process
             warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
@@ -43,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input, which every process of a torchrun job meets alike (rank 0 says it), or a failure naming its own
         # rank (a peer that stopped answering), which each process says.
         return _fail(args.command, str(e), every_rank=str(e).startswith("rank "))
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
