@@ -51,7 +51,7 @@ def test_transformers_generates_our_greedy_reply(exported):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
-    assert hf.generation_config.eos_token_id == [tok.eot, tok.im_end]
+    assert hf.generation_config.eos_token_id == [tok.eot, tok.im_end, tok.im_start]
     end = theirs.index(tok.im_end) if tok.im_end in theirs else len(theirs)
     assert theirs[:end] == ours and len(ours) > 0
 

@@ -267,3 +267,16 @@ def test_the_decode_benchmark_runs_on_the_engine(runs_dir, tmp_path):
         "prompt 14, batch 2",
         "prompt 16, batch 1",
     }
+
+
+@pytest.mark.parametrize("stop", ["im_end", "im_start"])
+def test_a_chat_reply_ends_at_its_turns_end_or_where_the_model_opens_another(run, monkeypatch, stop):
+    """A reply ran on past a generated <|im_start|>, whose text came back as the reply's."""
+    from gptforge.tokens.chat import with_chat
+
+    chat = dataclasses.replace(run, tokenizer=with_chat(run.tokenizer))
+    forcing(monkeypatch, getattr(chat.tokenizer, stop))
+    batcher = Batcher(2, threading.Event())
+    reply = Request(batcher, chat, prompt="hello", max_tokens=20, temperature=0)
+    drain(batcher, reply)
+    assert reply.events[-1] == Finish(0, "stop") and reply.text() == ""

@@ -327,5 +327,6 @@ def _declares_tokens(hf_dir: Path, tokenizer: Tokenizer, texts: tuple[str, ...])
 
 
 def end_ids(tokenizer: Tokenizer) -> int | list[int]:
-    """The ids `generate` stops at: EOT, and a chat model's <|im_end|> (the end of its reply)."""
-    return [tokenizer.eot, tokenizer.im_end] if chat_template(tokenizer) else tokenizer.eot
+    """The ids `generate` stops at: EOT, and a chat model's stops (<|im_end|>, the end of its reply, and
+    <|im_start|>, another turn's start)."""
+    return [tokenizer.eot, *tokenizer.stop_ids] if chat_template(tokenizer) else tokenizer.eot

@@ -90,7 +90,8 @@ class ChatTokenizer(ExtendedTokenizer):
         super().__init__(base, self.template.texts)
         self.im_start, self.im_end = base.vocab_size, base.vocab_size + 1
         self.sentinels = getattr(base, "sentinels", None)  # a FIM base keeps infilling
-        self.stop_ids = (self.im_end,)  # a reply ends with its turn
+        # A reply ends with its turn, or where the model opens another (that header is no text of the reply).
+        self.stop_ids = (self.im_end, self.im_start)
 
 
 def chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
