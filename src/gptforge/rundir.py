@@ -54,7 +54,8 @@ def read_metrics(
         raise GptforgeError(f"{run_dir}: no {METRICS} (expected a folder written by `gptforge train`)")
     records: list[dict[str, Any]] = []
     for where, record in read_jsonl(path, torn_tail_ok=True):
-        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):  # JSON's true is Python's 1
             raise GptforgeError(f"{where}: expected a JSON object with an integer 'step'")
         if not isinstance(record.get("kind"), str):  # none, or a list or object: no kind a reader draws
             continue

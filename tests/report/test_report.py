@@ -227,3 +227,14 @@ def test_plot_leaves_out_values_too_large_to_draw(tmp_path, capsys, key, values)
     assert main(["plot", str(run)]) == 0, capsys.readouterr().err
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["report", str(run)]) == 0
+
+
+@pytest.mark.parametrize("step", [True, 1.0, "1", None])
+def test_a_step_that_is_not_an_integer_is_one_line(tmp_path, step):
+    """`"step": true` was read as step 1 (JSON's true is Python's 1)."""
+    from gptforge.rundir import read_metrics
+
+    row = {"kind": "val", "step": step, "loss": 1.0, "ppl": 2.7, "bpb": 1.0, "tokens": 1}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(GptforgeError, match=r"metrics\.jsonl:1: expected a JSON object with an integer 'step'"):
+        read_metrics(tmp_path)
