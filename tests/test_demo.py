@@ -211,3 +211,17 @@ def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_anothe
     with pytest.raises(GptforgeError, match="not from stdlib-chat.jsonl; move it away"):
         gptforge.demo.prepare_function_conversations(data, theirs)
     assert read_manifest(theirs)["tokenizer"]["name"] == "gpt2"
+
+
+def test_a_chat_demo_whose_out_is_in_use_says_so_before_preparing_its_conversations(
+    tmp_path, corpus_dir, monkeypatch, capsys
+):
+    """It built and prepared ~10 MB of conversations (24 s) before finding another demo in --out."""
+    from tests.helpers import lock_held_elsewhere
+
+    data, base = _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch)
+    out = tmp_path / "demo-chat"
+    with lock_held_elsewhere(out, "demo"):
+        assert main(["demo", "--chat", "--base", str(base), "--data", str(data), "--out", str(out)]) == 1
+    assert "in use by another gptforge demo" in capsys.readouterr().err
+    assert not data.with_name(f"{data.name}-chat").exists() and not data.with_name(f"{data.name}-chat.jsonl").exists()

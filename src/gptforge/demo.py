@@ -69,9 +69,9 @@ def run_demo(
     cfg = load_config(preset or PRESET, [*overrides, *budget, f"data.path={data_dir}"])
     check_output_dir(out_dir, force, reads=[data_dir], is_run=True)  # --force replaces the demo's run
     stdlib = PrepareSettings.from_flags("stdlib", val_fraction=VAL_FRACTION, train_tokenizer=VOCAB_SIZE)
-    manifest = prepare(stdlib, data_dir)  # reused when unchanged
-    print(summarize(manifest, data_dir).replace("(see report.md)", f"(see {data_dir / 'report.md'})"), flush=True)
-    with training_in(out_dir) as run_dir:
+    with training_in(out_dir) as run_dir:  # locked first: a demo running there is said before any work
+        manifest = prepare(stdlib, data_dir)  # reused when unchanged
+        print(summarize(manifest, data_dir).replace("(see report.md)", f"(see {data_dir / 'report.md'})"), flush=True)
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
 
@@ -181,11 +181,11 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
         raise GptforgeError(
             f"--data {data_dir}: no {TOKENIZER_FILE}; the demo's data (prepared with its own BPE) is what --base reads"
         )
-    rows_file = prepare_function_conversations(data_dir, chat_data)
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     start = [f"data.path={chat_data}", f"train.init_from={base_checkpoint}"]
     cfg = load_config(CHAT_PRESET, [*overrides, *budget, *start])
-    with training_in(out_dir) as run_dir:
+    with training_in(out_dir) as run_dir:  # locked first: a demo running there is said before the conversations
+        rows_file = prepare_function_conversations(data_dir, chat_data)
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
     model, tok, _, _ = load_checkpoint(checkpoint)
