@@ -13,7 +13,7 @@ LAYERS = [
     {"files", "inputs"},
     {"outputs"},
     {"runtime"},
-    {"tokens"},
+    {"tokens", "tasks"},
     {"model", "data"},
     {"config"},
     {"checkpoint", "rundir"},

@@ -1,0 +1,204 @@
+"""Seeded families of small Python tasks over integers, strings, lists and dicts, each phrased several ways, with
+tests computed by a reference solution. The held-out split differs from the training one in its phrasings and in
+its families' parameters (a training task never reappears reworded, nor a held-out one with other words)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class Task:
+    """A request, the function it names, and the hidden tests (assert statements calling it)."""
+
+    name: str
+    family: str
+    request: str
+    entry_point: str
+    tests: tuple[str, ...]
+    solution: str  # a reference solution: the tests' source of truth, never shown to a model
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one kind of task is made: its phrasings ({name}, {a}, {b} filled in), its parameters per split, a
+    reference solution per parameters, and inputs to test it on."""
+
+    name: str
+    phrasings: tuple[str, ...]
+    params: Callable[[random.Random, str], dict]
+    solution: Callable[[str, dict], str]
+    inputs: Callable[[random.Random, dict], tuple]
+    names: tuple[str, ...]
+
+
+def _word(rng: random.Random, letters: str = "abcdefghij", size: tuple[int, int] = (0, 8)) -> str:
+    return "".join(rng.choice(letters) for _ in range(rng.randint(*size)))
+
+
+def _ints(rng: random.Random, size: tuple[int, int] = (0, 7)) -> list[int]:
+    return [rng.randint(-20, 20) for _ in range(rng.randint(*size))]
+
+
+# The (key-value, item) separators of parse_pairs, per split.
+PAIR_MARKS = {"train": (("=", ";"), (":", ",")), "val": (("->", "|"), ("=", "&"))}
+
+
+# A split's parameters come from disjoint ranges: (train, val).
+def _split_range(split: str, train: range, val: range) -> range:
+    return train if split == "train" else val
+
+
+FAMILIES = (
+    Family(
+        "reverse",
+        (
+            "Write a Python function `{name}(s: str) -> str` that returns the string s reversed.",
+            "Define `{name}(s: str) -> str`: given a string, return its characters in reverse order.",
+            "I need a Python function named `{name}` taking a string `s` and returning it backwards.",
+            "Implement `{name}(s)` in Python so that it returns s read from right to left.",
+        ),
+        lambda rng, split: {},
+        lambda name, p: f"def {name}(s):\n    return s[::-1]\n",
+        lambda rng, p: (_word(rng),),
+        ("reverse", "reversed_text", "flip", "backwards"),
+    ),
+    Family(
+        "count_char",
+        (
+            "Write a Python function `{name}(s: str) -> int` that counts how many times the character '{a}' occurs "
+            "in s.",
+            "Define `{name}(s: str) -> int` returning the number of '{a}' characters in the string s.",
+            "In Python, implement `{name}(s)`: how often does '{a}' appear in s? Return that count.",
+            "Give me a function `{name}(s: str) -> int` that returns the count of the letter '{a}' in s.",
+        ),
+        lambda rng, split: {"a": rng.choice("abcde" if split == "train" else "fghij")},
+        lambda name, p: f"def {name}(s):\n    return s.count({p['a']!r})\n",
+        lambda rng, p: (_word(rng, "abcdefghij", (0, 12)),),
+        ("count_letter", "occurrences", "how_many", "tally"),
+    ),
+    Family(
+        "keep_multiples",
+        (
+            "Write a Python function `{name}(xs: list[int]) -> list[int]` that keeps only the numbers of xs "
+            "divisible by {a}, in order.",
+            "Define `{name}(xs: list[int]) -> list[int]`: return the elements of xs that are multiples of {a}.",
+            "Implement `{name}(xs)` in Python returning, in their original order, the items of xs divisible by {a}.",
+            "I need `{name}(xs: list[int]) -> list[int]`, which filters xs down to the multiples of {a}.",
+        ),
+        lambda rng, split: {"a": rng.choice(_split_range(split, range(2, 5), range(5, 8)))},
+        lambda name, p: f"def {name}(xs):\n    return [x for x in xs if x % {p['a']} == 0]\n",
+        lambda rng, p: (_ints(rng, (0, 9)),),
+        ("multiples", "keep_divisible", "filter_by", "only_multiples"),
+    ),
+    Family(
+        "clamp",
+        (
+            "Write a Python function `{name}(x: int) -> int` that returns x clamped to the range [{a}, {b}].",
+            "Define `{name}(x: int) -> int`: return {a} if x is below {a}, {b} if x is above {b}, else x.",
+            "Implement `{name}(x)` in Python so that the result is x limited to lie between {a} and {b} inclusive.",
+            "I need `{name}(x: int) -> int` that forces x into the interval from {a} to {b}.",
+        ),
+        lambda rng, split: (lambda lo: {"a": lo, "b": lo + rng.choice(_split_range(split, range(3, 8), range(8, 13)))})(
+            rng.randint(-5, 5)
+        ),
+        lambda name, p: f"def {name}(x):\n    return max({p['a']}, min({p['b']}, x))\n",
+        lambda rng, p: (rng.randint(p["a"] - 6, p["b"] + 6),),
+        ("clamp", "bounded", "limit", "clip_value"),
+    ),
+    Family(
+        "merge_dicts",
+        (
+            "Write a Python function `{name}(a: dict, b: dict) -> dict` that merges the two dicts, b's value winning "
+            "for a key in both.",
+            "Define `{name}(a: dict, b: dict) -> dict` returning a new dict with every key of a and b; where both "
+            "have a key, use the value from b.",
+            "Implement `{name}(a, b)` in Python: combine dicts a and b into one, values of b overriding those of a.",
+            "I need `{name}(a: dict, b: dict) -> dict` that returns a merged copy where b takes precedence.",
+        ),
+        lambda rng, split: {},
+        lambda name, p: f"def {name}(a, b):\n    return {{**a, **b}}\n",
+        lambda rng, p: tuple(
+            {_word(rng, "wxyz", (1, 2)): rng.randint(0, 9) for _ in range(rng.randint(0, 4))} for _ in range(2)
+        ),  # fmt: skip
+        ("merge", "combine", "merged", "union_of"),
+    ),
+    Family(
+        "running_sum",
+        (
+            "Write a Python function `{name}(xs: list[int]) -> list[int]` that returns the running sums of xs (the "
+            "i-th item is the sum of xs[0..i]).",
+            "Define `{name}(xs: list[int]) -> list[int]`: the prefix sums of xs, as a list of the same length.",
+            "Implement `{name}(xs)` in Python returning the cumulative totals of the list xs.",
+            "I need `{name}(xs: list[int]) -> list[int]` where each output item is the total of xs up to there.",
+        ),
+        lambda rng, split: {},
+        lambda name, p: (
+            f"def {name}(xs):\n    out, total = [], 0\n    for x in xs:\n        total += x\n"
+            "        out.append(total)\n    return out\n"
+        ),
+        lambda rng, p: (_ints(rng),),
+        ("running_sum", "prefix_sums", "cumulative", "totals"),
+    ),
+    Family(
+        "parse_pairs",
+        (
+            "Write a Python function `{name}(text: str) -> dict` that parses text like 'a{a}1{b}b{a}2' (pairs "
+            "separated by '{b}', key and integer value by '{a}') into a dict of str to int; empty text gives {{}}.",
+            "Define `{name}(text: str) -> dict`: text holds key{a}value items joined by '{b}', values integers; return "
+            "them as a dict (an empty string gives an empty dict).",
+            "Implement `{name}(text)` in Python to read 'key{a}number' entries separated by '{b}' into a dict with "
+            "int values.",
+            "I need `{name}(text: str) -> dict` that turns a '{b}'-separated list of key{a}int pairs into a dict.",
+        ),
+        lambda rng, split: dict(zip("ab", rng.choice(PAIR_MARKS[split]), strict=True)),
+        lambda name, p: (
+            f"def {name}(text):\n    if not text:\n        return {{}}\n    out = {{}}\n"
+            f"    for item in text.split({p['b']!r}):\n        key, value = item.split({p['a']!r})\n"
+            "        out[key] = int(value)\n    return out\n"
+        ),
+        lambda rng, p: (
+            p["b"].join(f"{_word(rng, 'klmn', (1, 3))}{p['a']}{rng.randint(-9, 99)}" for _ in range(rng.randint(0, 4))),
+        ),
+        ("parse_pairs", "read_settings", "to_dict", "parse_config"),
+    ),
+)
+BY_NAME = {family.name: family for family in FAMILIES}
+TESTS_PER_TASK = 5
+
+
+def builtin_tasks(split: str, count: int, seed: int = 0) -> list[Task]:
+    """`count` tasks of `split`, cycling through the families; the same seed and split give the same tasks. Train
+    uses the even-numbered phrasings and one range of each family's parameters, val the odd ones and another."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
+    rng = random.Random(f"gptforge-tasks-{seed}-{split}")
+    phrasings = slice(0, None, 2) if split == "train" else slice(1, None, 2)
+    tasks = []
+    for i in range(count):
+        family = FAMILIES[i % len(FAMILIES)]
+        params = family.params(rng, split)
+        name = rng.choice(family.names)
+        request = rng.choice(family.phrasings[phrasings]).format(name=name, **params)
+        solution = family.solution(name, params)
+        tests = _tests(family, name, params, solution, rng)
+        tasks.append(Task(f"{split}/{i}", family.name, request, name, tests, solution))
+    return tasks
+
+
+def _tests(family: Family, name: str, params: dict, solution: str, rng: random.Random) -> tuple[str, ...]:
+    """Assertions of what the reference solution returns on random inputs (distinct calls)."""
+    scope: dict = {}
+    exec(solution, scope)  # our own reference code, written above
+    calls: dict[str, str] = {}
+    for _ in range(20 * TESTS_PER_TASK):
+        args = family.inputs(rng, params)
+        call = f"{name}({', '.join(map(repr, args))})"
+        calls.setdefault(call, f"assert {call} == {scope[name](*args)!r}")
+        if len(calls) == TESTS_PER_TASK:
+            break
+    return tuple(calls.values())

@@ -1,0 +1,81 @@
+"""Built-in verifiable tasks: seeded, split by phrasing and parameters, and their tests pass the reference."""
+
+import re
+
+import pytest
+
+from gptforge.eval.humaneval import run_programs
+from gptforge.tasks.builtin import FAMILIES, TESTS_PER_TASK, builtin_tasks
+
+
+def test_the_same_seed_gives_the_same_tasks_and_another_seed_others():
+    assert builtin_tasks("train", 14, seed=1) == builtin_tasks("train", 14, seed=1)
+    assert builtin_tasks("train", 14, seed=1) != builtin_tasks("train", 14, seed=2)
+
+
+def test_every_family_comes_and_each_task_names_its_function_and_has_distinct_tests():
+    tasks = builtin_tasks("val", 2 * len(FAMILIES))
+    assert {t.family for t in tasks} == {f.name for f in FAMILIES}
+    for task in tasks:
+        assert f"`{task.entry_point}(" in task.request, task.request
+        assert len(task.tests) == len(set(task.tests)) and 2 <= len(task.tests) <= TESTS_PER_TASK, task
+        assert all(t.startswith(f"assert {task.entry_point}(") for t in task.tests)
+
+
+def test_held_out_tasks_share_no_phrasing_and_no_parameters_with_training_ones():
+    """A held-out task that reappeared among the training ones, reworded or not, would measure memory."""
+    train, val = builtin_tasks("train", 700), builtin_tasks("val", 700)
+
+    def shape(task):  # the request with the function's name taken out: its phrasing and parameters
+        return task.request.replace(task.entry_point, "NAME")
+
+    assert not {shape(t) for t in train} & {shape(t) for t in val}
+    for family in FAMILIES:  # each family's phrasings split between the two, none in both
+        seen = {
+            split: {re.sub(r"`\w+\(", "`(", t.request) for t in tasks if t.family == family.name}
+            for split, tasks in (("train", train), ("val", val))
+        }
+        assert seen["train"] and seen["val"]
+    parameters = {  # the solution's constants, per family and split
+        split: {(t.family, t.solution.split("\n", 1)[1]) for t in tasks}
+        for split, tasks in (("train", train), ("val", val))
+    }
+    parametric = {"count_char", "keep_multiples", "clamp", "parse_pairs"}
+    assert not {p for p in parameters["train"] & parameters["val"] if p[0] in parametric}
+
+
+def test_every_reference_solution_passes_its_tests_in_the_sandbox_and_a_wrong_one_fails():
+    tasks = builtin_tasks("train", len(FAMILIES), seed=3) + builtin_tasks("val", len(FAMILIES), seed=3)
+    programs = [t.solution + "\n" + "\n".join(t.tests) + "\n" for t in tasks]
+    assert [ok for ok, _ in run_programs(programs)] == [True] * len(tasks)
+    wrong = [f"def {t.entry_point}(*args):\n    return None\n" + "\n".join(t.tests) + "\n" for t in tasks]
+    assert [ok for ok, _ in run_programs(wrong)] == [False] * len(tasks)
+
+
+def test_an_unknown_split_is_refused():
+    with pytest.raises(ValueError, match="split='test': expected one of train, val"):
+        builtin_tasks("test", 1)
+
+
+KNOWN = {  # family: (parameters, arguments, the answer worked out by hand)
+    "reverse": ({}, ("abc",), "cba"),
+    "count_char": ({"a": "b"}, ("abcbb",), 3),
+    "keep_multiples": ({"a": 3}, ([3, 4, 6, -9, 10],), [3, 6, -9]),
+    "clamp": ({"a": 0, "b": 5}, (9,), 5),
+    "merge_dicts": ({}, ({"x": 1, "z": 0}, {"x": 2, "y": 3}), {"x": 2, "z": 0, "y": 3}),
+    "running_sum": ({}, ([1, 2, 3, -4],), [1, 3, 6, 2]),
+    "parse_pairs": ({"a": "->", "b": "|"}, ("a->1|bc->-20",), {"a": 1, "bc": -20}),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_each_reference_solution_gives_the_answer_worked_out_by_hand(family):
+    """The tests are the reference's answers: a wrong reference would make every task wrong and self-consistent."""
+    params, args, answer = KNOWN[family.name]
+    scope: dict = {}
+    exec(family.solution("f", params), scope)
+    assert scope["f"](*args) == answer
+    if family.name == "clamp":
+        assert (scope["f"](-1), scope["f"](3)) == (0, 3)
+    if family.name == "parse_pairs":
+        assert scope["f"]("") == {}
