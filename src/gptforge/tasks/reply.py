@@ -28,7 +28,7 @@ def answer(reply: str, entry_point: str) -> Answer:
 def _tree(code: str) -> ast.Module | None:
     try:
         return ast.parse(code)
-    except (SyntaxError, ValueError):  # a NUL byte in the source: ValueError before Python 3.11.4
+    except (SyntaxError, ValueError):  # a NUL byte: older Pythons raise ValueError
         return None
 
 
