@@ -66,7 +66,7 @@ def weights(ckpt):
 def lock_held_elsewhere(folder, what="train"):
     """Another process holding `locked(folder)` for the block; yields its pid and SIGKILLs it at the end."""
     program = (
-        f"from gptforge.files import locked\nwith locked({str(folder)!r}, {what!r}):\n"
+        f"from gptforge.outputs import locked\nwith locked({str(folder)!r}, {what!r}):\n"
         "    print('held', flush=True)\n    input()"
     )
     holder = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

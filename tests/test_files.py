@@ -12,9 +12,9 @@ import pytest
 from tests.helpers import lock_held_elsewhere
 
 from gptforge.errors import GptforgeError
-from gptforge.files import LOCK, append_jsonl, atomic_write, building_dir, locked, swap_dir, temp_dir_for
+from gptforge.files import LOCK, append_jsonl, atomic_write, building_dir, swap_dir, temp_dir_for
 from gptforge.inputs import open_text, read_jsonl
-from gptforge.outputs import check_output_dir, check_output_file
+from gptforge.outputs import check_output_dir, check_output_file, locked
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp_file(tmp_path):

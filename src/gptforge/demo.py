@@ -22,20 +22,10 @@ from gptforge.data.report import summarize
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.files import (
-    LOCK,
-    atomic_write,
-    is_empty_dir,
-    locked,
-    named,
-    replacing_dir,
-    temp_dir_path,
-    to_json,
-    write_json,
-)
+from gptforge.files import LOCK, atomic_write, is_empty_dir, named, replacing_dir, temp_dir_path, to_json, write_json
 from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
-from gptforge.outputs import check_output_dir, output_folder
+from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.report.plot import plot_runs
 from gptforge.tokens.chat import Message, format_chat
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import glob
 import json
 import math
@@ -340,39 +339,6 @@ def is_empty_dir(path: str | Path) -> bool:
     """True for a missing folder, or one holding nothing but a lock file."""
     path = Path(path)
     return not path.exists() or (path.is_dir() and all(p.name == LOCK for p in path.iterdir()))
-
-
-_held: set[Path] = set()
-
-
-@contextlib.contextmanager
-def locked(folder: str | Path, what: str) -> Iterator[None]:
-    """Hold an exclusive lock on `folder` (created if missing) for the block; a second holder gets one line
-    naming this process. The OS releases the lock when the process dies, so a kill -9 leaves nothing stale."""
-    folder = Path(folder)
-    refuse_non_folder(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    key = folder.resolve()
-    if key in _held:  # this process holds it already (the demo, then the training it runs)
-        yield
-        return
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid, _, job = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
-            raise GptforgeError(
-                f"{folder}: in use by another gptforge {job or what} (pid {pid or 'unknown'}); "
-                "wait for it to end or stop it"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
-        _held.add(key)
-        yield
-    finally:
-        _held.discard(key)
-        os.close(fd)
 
 
 def append_jsonl(path: str | Path, record: Any) -> None:

@@ -1,15 +1,18 @@
 """Checks made before a command writes: an output folder or file whose writing would destroy data (what the command
-reads, a run, a non-empty folder without --force) is refused in one line, before any work."""
+reads, a run, a non-empty folder without --force) is refused in one line, before any work; and the lock that keeps
+a second process out of a folder in use."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from gptforge.errors import GptforgeError, first_detail
-from gptforge.files import RUN_MARKS, current_folder, is_empty_dir, refuse_non_folder, refuse_special
+from gptforge.files import LOCK, RUN_MARKS, current_folder, is_empty_dir, refuse_non_folder, refuse_special
 
 
 def check_output_dir(
@@ -117,3 +120,36 @@ def check_output_file(out: str | Path, force: bool, reads: Iterable[str | Path] 
             f"{flag} {out}: exists; pick another name, or pass --force to replace it "
             "(the old file is replaced only once the new one is complete)"
         )
+
+
+_held: set[Path] = set()
+
+
+@contextlib.contextmanager
+def locked(folder: str | Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (created if missing) for the block; a second holder gets one line
+    naming this process. The OS releases the lock when the process dies, so a kill -9 leaves nothing stale."""
+    folder = Path(folder)
+    refuse_non_folder(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    key = folder.resolve()
+    if key in _held:  # this process holds it already (the demo, then the training it runs)
+        yield
+        return
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, job = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
+            raise GptforgeError(
+                f"{folder}: in use by another gptforge {job or what} (pid {pid or 'unknown'}); "
+                "wait for it to end or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+        _held.add(key)
+        yield
+    finally:
+        _held.discard(key)
+        os.close(fd)

@@ -26,8 +26,8 @@ from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.shards import read_manifest
 from gptforge.demo import VAL_FRACTION, VOCAB_SIZE
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, locked, replacing_dir, write_json
-from gptforge.outputs import check_output_dir, output_folder
+from gptforge.files import atomic_write, replacing_dir, write_json
+from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.rundir import finite, read_metrics
 from gptforge.runtime.device import resolve_device
 from gptforge.runtime.threads import sustained_matmul_flops, use_threads

@@ -438,7 +438,7 @@ def test_cli_refusals_are_one_line(tmp_path):
 
     from tests.helpers import cli
 
-    from gptforge.files import locked
+    from gptforge.outputs import locked
 
     src, out = _tiny(tmp_path / "src"), tmp_path / "out"
 

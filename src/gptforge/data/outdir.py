@@ -16,8 +16,8 @@ from gptforge.data.prepare_settings import PrepareSettings
 from gptforge.data.report import REMOVED_FILE
 from gptforge.data.shards import MANIFEST, PROGRESS
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, is_empty_dir, locked, stale_temp_files, temp_dir_for, temp_dir_path
-from gptforge.outputs import check_output_dir
+from gptforge.files import atomic_write, is_empty_dir, stale_temp_files, temp_dir_for, temp_dir_path
+from gptforge.outputs import check_output_dir, locked
 
 TOKENIZER_FILE = "tokenizer.json"
 REPORT_FILE = "report.md"

@@ -49,8 +49,8 @@ from gptforge.data.report import REMOVED_FILE, Report, render
 from gptforge.data.shards import MANIFEST, PROGRESS, SPLITS, ShardWriter, dtype_for_vocab, write_manifest
 from gptforge.data.sources import Document, documents, local_paths, resolve, source_bytes, source_state
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, locked, swap_dir
-from gptforge.outputs import check_output_dir, output_folder
+from gptforge.files import atomic_write, swap_dir
+from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.tokens.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 

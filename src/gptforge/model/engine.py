@@ -132,15 +132,15 @@ class Engine:
             self._slide(seq)
         while self.waiting and len(self.active) < self.capacity:
             self._enter(self.waiting.popleft())
-        rows = list(self.rows)
-        past = [s for group in _by_length(self.past, self.block) for s in group]
+        rows, groups = list(self.rows), _by_length(self.past, self.block)
+        past = [s for group in groups for s in group]
         if not rows and not past:
             return
         logits = []
         with self._precision():
             if rows:
                 logits.append(self._decode_rows(rows))
-            for group in _by_length(self.past, self.block):  # a batch of windows needs one length
+            for group in groups:  # a batch of windows needs one length
                 idx = torch.tensor([s.ids[-self.block :] for s in group], device=self.device)
                 logits.append(forward_logits(self.model, idx, None)[:, -1])
         # One draw for all: a draw per row paid sample_rows' fixed cost once for each.

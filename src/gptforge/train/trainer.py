@@ -20,8 +20,8 @@ from gptforge.config import Config, to_dict, to_toml
 from gptforge.data.loader import TokenLoader
 from gptforge.data.mixture import MixtureLoader
 from gptforge.data.prefetch import Prefetcher
-from gptforge.files import atomic_write, locked
-from gptforge.outputs import output_folder
+from gptforge.files import atomic_write
+from gptforge.outputs import locked, output_folder
 from gptforge.rundir import CONFIG, METRICS, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import resolve_device

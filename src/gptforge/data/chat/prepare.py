@@ -28,9 +28,9 @@ from gptforge.data.report import REMOVED_FILE, removal
 from gptforge.data.shards import MASK_SUFFIX, SPLITS, dtype_for_vocab, write_manifest, write_mask, write_shard
 from gptforge.data.sources import is_data_folder
 from gptforge.errors import GptforgeError
-from gptforge.files import atomic_write, building_dir, locked
+from gptforge.files import atomic_write, building_dir
 from gptforge.inputs import not_utf8, open_jsonl, parse_json, printable, reading
-from gptforge.outputs import check_output_dir, output_folder
+from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.tokens.chat import (
     CHAT_TEXTS,
     TEMPLATE_NAME,
