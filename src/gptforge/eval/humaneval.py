@@ -1,6 +1,6 @@
 """HumanEval pass@k for code models: sample completions, run each against its tests in a sandboxed subprocess.
 
-Model-written code runs only in a separate Python process per completion (humaneval_sandbox.py): a timeout,
+Model-written code runs only in a separate Python process per completion (runtime/sandbox.py): a timeout,
 address-space, CPU-time and file-size limits, a throwaway working directory, a fresh network namespace where the
 kernel allows it, and an audit hook that refuses processes, sockets, native code and writes outside that directory.
 """
@@ -28,7 +28,7 @@ from gptforge.tokens.tokenizer import Tokenizer
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # the Codex paper's
 # Run as a script by a fresh interpreter, so the limits and the audit hook are in place before the model's code
 # runs (no code runs between fork and exec in the parent's process, which holds torch's threads).
-SANDBOX = Path(__file__).with_name("humaneval_sandbox.py")
+SANDBOX = Path(__file__).parents[1] / "runtime" / "sandbox.py"
 REQUIRED_KEYS = ("task_id", "prompt", "test", "entry_point")
 
 

@@ -1,6 +1,7 @@
-"""The child side of HumanEval's sandbox, run as a script: limit the process, install an audit hook, run the program.
+"""The child side of the sandbox for model-written code (HumanEval programs, task replies), run as a script: limit
+the process, install an audit hook, run the program.
 
-python -I -B humaneval_sandbox.py PROGRAM MEMORY_BYTES CPU_SECONDS, from the throwaway working directory. The hook
+python -I -B sandbox.py PROGRAM MEMORY_BYTES CPU_SECONDS, from the throwaway working directory. The hook
 sees each operation however the code reaches it (builtins, io, pathlib, os, _socket, ...): it refuses processes,
 the network and native code, and writes outside the working directory. Reading stays allowed (imports need it).
 Audit hooks stop code that uses Python's APIs, not code that attacks the interpreter itself (PEP 578): guards
@@ -65,6 +66,8 @@ PATH_ARGS = {
 }
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 UNKNOWN_DIR = object()  # os.open's "open" event leaves out its dir_fd
+# Starts the stderr line of each refusal, written before it is raised: code that catches it is still known.
+REFUSAL_MARK = "gptforge-sandbox refused:"
 
 
 def limit(memory_bytes: int, cpu_seconds: int) -> None:
@@ -105,11 +108,15 @@ def audit_hook(home: str) -> Callable[[str, tuple[Any, ...]], None]:
         where = _where(home, path, dir_fd)
         return where is not None and (where.startswith(home + "/") or (or_home and where == home))
 
+    def refuse(message: str) -> None:
+        os.write(2, f"{REFUSAL_MARK} {message}\n".encode(errors="backslashreplace"))  # seen even if caught
+        raise PermissionError(message)
+
     def hook(event: str, args: tuple[Any, ...]) -> None:
         if event in REFUSED or event.startswith(REFUSED_PREFIXES):
-            raise PermissionError(f"{event} is not allowed in the HumanEval sandbox")
+            refuse(f"{event} is not allowed in the sandbox")
         if event == "import" and args[0] in UNAUDITED_MODULES:
-            raise PermissionError(f"importing {args[0]} is not allowed in the HumanEval sandbox")
+            refuse(f"importing {args[0]} is not allowed in the sandbox")
         if event == "open":
             path, mode, flags = args
             writes = (isinstance(flags, int) and flags & WRITE_FLAGS) or (
@@ -118,10 +125,10 @@ def audit_hook(home: str) -> Callable[[str, tuple[Any, ...]], None]:
             # os.open (mode None) may be relative to a dir_fd the event does not carry, so it writes only to
             # absolute paths. The working directory itself opens for writing only as O_TMPFILE (TemporaryFile).
             if writes and not inside(path, None if mode is not None else UNKNOWN_DIR, or_home=True):
-                raise PermissionError(f"writing outside the HumanEval sandbox: {path!r}")
+                refuse(f"writing outside the sandbox: {path!r}")
         for i, fd in PATH_ARGS.get(event, ()):
             if not inside(args[i], None if fd is None or fd >= len(args) else args[fd]):
-                raise PermissionError(f"{event} outside the HumanEval sandbox: {args[i]!r}")
+                refuse(f"{event} outside the sandbox: {args[i]!r}")
 
     return hook
 

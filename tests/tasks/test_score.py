@@ -1,0 +1,119 @@
+import textwrap
+
+import pytest
+
+from gptforge.tasks.builtin import Task
+from gptforge.tasks.score import REWARDS, Score, score_replies, score_reply
+
+TASK = Task(
+    "t/0",
+    "reverse",
+    "Write `rev(s)`.",
+    "rev",
+    ("assert rev('abc') == 'cba'", "assert rev('') == ''", "assert rev('ab') == 'ba'", "assert rev('aab') == 'baa'"),
+    "",
+)
+RIGHT = "def rev(s):\n    return s[::-1]\n"
+
+
+def fenced(code: str) -> str:
+    return f"Here it is:\n```python\n{textwrap.dedent(code)}```\n"
+
+
+def test_a_right_reply_passes_every_test_whatever_it_prints():
+    noisy = RIGHT.replace("return", "print('0 fail\\ndone', end='', flush=True)\n    return")
+    for reply in (fenced(RIGHT), fenced("print('FAILED')\n" + noisy), RIGHT):
+        score = score_reply(TASK, reply)
+        assert score == Score(True, True, 4, 4, True, "")
+        assert score.solved and score.reward("pass") == score.reward("share") == 1.0
+
+
+def test_a_reply_that_handles_some_cases_earns_its_share_or_nothing():
+    score = score_reply(TASK, fenced("def rev(s):\n    return s[::-1] if len(s) < 3 else s\n"))
+    assert (score.passed, score.tests, score.clean, score.solved) == (2, 4, True, False)
+    assert score.reward("share") == 0.5 and score.reward("pass") == 0.0
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "print('passed')\nprint('4 of 4 passed')\ndef rev(s):\n    return s + '.'\n",
+        # An answer equal to everything, as a value, a str subclass, and inside a container.
+        "class Any:\n    def __eq__(self, other):\n        return True\ndef rev(s):\n    return Any()\n",
+        "class S(str):\n    def __eq__(self, other):\n        return True\ndef rev(s):\n    return S('x')\n",
+        "import builtins\nbuiltins.type = lambda x: str\nbuiltins.eval = lambda *a: 'cba'\ndef rev(s):\n    return 0\n",
+        "import builtins\nbuiltins.AssertionError = KeyError\ndef rev(s):\n    assert False\n",
+        "import os\nos._exit(0)\ndef rev(s):\n    return s[::-1]\n",
+        "import sys\nsys.exit(0)\ndef rev(s):\n    return s[::-1]\n",
+        "def rev(s):\n    import os\n    os._exit(0)\n",
+        "def rev(s):\n    raise SystemExit(0)\n",
+        "import os\nprint('\\n'.join(['', '0 pass', '1 pass', '2 pass', '3 pass', 'done']), flush=True)\nos._exit(0)\n"
+        "def rev(s):\n    return s\n",
+    ],
+    ids=["prints", "always-equal", "str-subclass", "rebinds-builtins", "patches-assert", "exits", "sys-exit",
+         "exits-in-call", "system-exit-in-call", "forges-lines"],
+)  # fmt: skip
+def test_a_reply_that_fakes_a_pass_gains_nothing(code):
+    assert score_reply(TASK, fenced(code)).passed == 0
+
+
+def test_a_list_of_always_equal_items_does_not_pass():
+    task = Task("t/1", "f", "", "f", ("assert f() == [1, 2]", "assert f() == {'a': 1}"), "")
+    code = "class Any:\n    __hash__ = object.__hash__\n    def __eq__(self, o):\n        return True\n"
+    for body in ("[Any(), Any()]", "{Any(): Any()}", "[1, 2] if len.__name__ else 0"):
+        score = score_reply(task, fenced(code + f"def f():\n    return {body}\n"))
+        assert score.passed == (1 if body.startswith("[1") else 0)
+
+
+@pytest.mark.parametrize(
+    "code, why",
+    [
+        ("def rev(s):\n    while True:\n        pass\n", "timed out"),
+        ("def rev(s):\n    xs = []\n    while True:\n        xs.append(' ' * 10**7)\n", "out of memory"),
+        ("import os\ndef rev(s):\n    try:\n        os.fork()\n    except Exception:\n        pass\n"
+         "    return s[::-1]\n", "os.fork"),
+        ("import socket\ndef rev(s):\n    try:\n        socket.socket()\n    except Exception:\n        pass\n"
+         "    return s[::-1]\n", "socket"),
+        ("def rev(s):\n    try:\n        open(ESCAPE, 'w').write('x')\n    except Exception:\n        pass\n"
+         "    return s[::-1]\n", "writing outside"),
+        ("import subprocess\ndef rev(s):\n    try:\n        subprocess.run(['true'])\n    except Exception:\n"
+         "        pass\n    return s[::-1]\n", "not allowed"),
+        ("def rev(s):\n    if len(s) == 2:\n        import os\n        os._exit(0)\n    return s[::-1]\n",
+         "ended early"),
+    ],
+    ids=["loops", "allocates", "forks", "socket", "writes", "runs-a-process", "exits-mid-tests"],
+)  # fmt: skip
+def test_the_sandbox_stops_a_reply_and_it_scores_zero_even_if_it_caught_the_refusal(code, why, tmp_path):
+    escape = tmp_path / "escaped"
+    score = score_reply(TASK, fenced(code.replace("ESCAPE", repr(str(escape)))), timeout=2)
+    assert not score.clean and why in score.why
+    assert score.reward("share") == score.reward("pass") == 0.0
+    assert not escape.exists()
+
+
+def test_a_reply_that_broke_the_rules_earns_nothing_for_the_tests_it_passed():
+    assert Score(True, True, 3, 4, False, "timed out").reward("share") == 0.0
+    assert Score(True, True, 4, 4, False, "timed out").reward("pass") == 0.0
+    assert Score(True, True, 3, 4, True).reward("share") == 0.75
+
+
+def test_a_reply_that_does_not_parse_or_define_the_function_is_not_run():
+    assert score_reply(TASK, fenced("def rev(s) return s\n")) == Score(False, False, 0, 4, True, "does not parse")
+    assert score_reply(TASK, fenced("def other(s):\n    return s[::-1]\n")).why == "defines no rev"
+    assert score_reply(TASK, fenced("def rev(s):\n    return s[::-1]\nrev = None\n")).passed == 0
+
+
+def test_a_humaneval_check_runs_as_it_is():
+    test = "def check(candidate):\n    assert candidate('ab') == 'ba'\n\ncheck(rev)"
+    task = Task("h/0", "humaneval", "", "rev", (test,), "")
+    assert score_reply(task, fenced(RIGHT)).solved
+    assert not score_reply(task, fenced("def rev(s):\n    return s\n")).solved
+
+
+def test_replies_are_scored_in_order_and_an_unknown_reward_is_refused():
+    wrong = fenced("def rev(s):\n    return s\n")
+    scores = score_replies([TASK] * 3, [wrong, fenced(RIGHT), wrong], workers=2)
+    assert [s.passed for s in scores] == [1, 4, 1]  # '' reversed is ''
+    assert REWARDS == ("pass", "share")
+    with pytest.raises(ValueError, match="reward='tests'"):
+        scores[0].reward("tests")
