@@ -78,7 +78,7 @@ def lock_held_elsewhere(folder, what="train"):
         holder.wait(timeout=30)
 
 
-def chat_checkpoint(path, chat: bool = True, ends_every_reply: bool = False):
+def chat_checkpoint(path, chat: bool = True, ends_every_reply: bool = False, block_size: int = 48):
     """A tiny GPT-2-block checkpoint with the gpt2 tokenizer (and the chat template's tokens when `chat`); with
     `ends_every_reply`, weights that put `<|im_end|>` first at every position: each reply ends at once, by that
     token alone (a stop that is missed shows as `<|im_end|>` text)."""
@@ -93,7 +93,7 @@ def chat_checkpoint(path, chat: bool = True, ends_every_reply: bool = False):
     cfg = load_config("tiny")
     base = load_tokenizer("gpt2")
     tok = with_chat(base) if chat else base
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size, block_size=48)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size, block_size=block_size)
     cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, chat_template="chatml" * chat))
     torch.manual_seed(0)
     model = GPT(model_cfg)

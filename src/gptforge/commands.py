@@ -145,6 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         lm_eval=args.lm_eval,
         include_path=args.include_path,
         code=args.code,
+        tasks=args.tasks,
     )
     print(to_json(result) if args.json else format_results(result))
 

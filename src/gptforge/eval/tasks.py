@@ -1,0 +1,145 @@
+"""The chat evaluation on verifiable tasks: replies sampled through the chat template on the engine, each scored
+against its task's tests in the sandbox; per family and overall, the share of replies that parse and that define
+the function asked for, and pass@k (the unbiased estimator over `n` samples a task)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gptforge.errors import GptforgeError
+from gptforge.eval.humaneval import check_ks, pass_at_k
+from gptforge.model.engine import Engine, Sequence
+from gptforge.model.gpt import GPT
+from gptforge.model.sampling import Sampling
+from gptforge.tasks.builtin import Task, builtin_tasks
+from gptforge.tasks.read import read_tasks
+from gptforge.tasks.score import Score, score_replies
+from gptforge.tokens.chat import Message, format_chat
+from gptforge.tokens.fim import end_ids
+from gptforge.tokens.tokenizer import Tokenizer
+
+BUILTIN = "builtin"
+BUILTIN_COUNT = 70  # held-out built-in tasks `--tasks builtin` scores by default: 10 of each family
+
+
+@dataclass(eq=False)
+class Reply:
+    """One sampled reply: the prompt it continued, its tokens (its end token kept where it ended at one), its text."""
+
+    task: Task
+    prompt: list[int]
+    ids: list[int]
+    text: str
+
+
+def load_tasks(source: str, limit: int = 0, flag: str = "--tasks") -> list[Task]:
+    """`builtin` (the held-out built-in tasks, `limit` of them, else BUILTIN_COUNT) or a JSONL file's tasks."""
+    if source == BUILTIN:
+        return builtin_tasks("val", limit or BUILTIN_COUNT)
+    tasks = read_tasks(source, flag)
+    return tasks[:limit] if limit else tasks
+
+
+def chat_prompt(tok: Tokenizer, request: str) -> list[int]:
+    return format_chat(tok, [Message("user", request)], add_generation_prompt=True).ids.tolist()
+
+
+def draw_seed(*parts: object) -> int:
+    """A generator seed from `parts` (e.g. the run's seed, a task's name, a sample's index): the same draws
+    whatever else is sampled beside them."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@torch.no_grad()
+def sample_replies(
+    model: GPT,
+    tok: Tokenizer,
+    tasks: list[Task],
+    *,
+    n: int,
+    rule: Sampling,
+    seed: object,
+    max_new_tokens: int,
+    dtype: torch.dtype | None = None,
+    rows: int = 32,
+) -> list[list[Reply]]:
+    """`n` replies to each task's request, the prompt prefilled once for its n; sample j of a task draws from a
+    generator seeded by (seed, task name, j)."""
+    device, block = next(model.parameters()).device, model.config.block_size
+    ends, prompts, seqs = frozenset(end_ids(tok)), [], []
+    for index, task in enumerate(tasks):
+        prompt = chat_prompt(tok, task.request)
+        if len(prompt) >= block:
+            raise GptforgeError(f"task {task.name}: its request takes {len(prompt)} tokens, the context {block}")
+        prompts.append(prompt)
+        budget = min(max_new_tokens, block - len(prompt) + 1)  # a reply ends where the context does
+        for j in range(n):
+            g = None if rule.greedy else torch.Generator(device).manual_seed(draw_seed(seed, task.name, j))
+            seqs.append(Sequence(list(prompt), budget, rule, g, ends, slides=False, prompt_key=index))
+    Engine(model, rows=rows, dtype=dtype).run(*seqs)
+    out = []
+    for index, task in enumerate(tasks):
+        group = seqs[index * n : (index + 1) * n]
+        out.append([Reply(task, prompts[index], s.new, tok.decode([t for t in s.new if t not in ends])) for s in group])
+    return out
+
+
+def evaluate_tasks(
+    model: GPT,
+    tok: Tokenizer,
+    tasks: list[Task],
+    *,
+    n: int,
+    ks: Iterable[int],
+    temperature: float = 0.8,
+    max_new_tokens: int = 192,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """Per family and overall ("all"): parse and define rates over the replies, pass@k over the tasks; and the
+    first reply to each of the first two tasks."""
+    ks = list(ks)
+    check_ks(ks, n)
+    rule = Sampling(temperature, None, 0.95 if temperature > 0 else None)
+    groups = sample_replies(model, tok, tasks, n=n, rule=rule, seed=seed, max_new_tokens=max_new_tokens, dtype=dtype)
+    replies = [reply for group in groups for reply in group]
+    scores = score_replies([r.task for r in replies], [r.text for r in replies])
+    by_task = [scores[i * n : (i + 1) * n] for i in range(len(tasks))]
+    families = sorted({t.family for t in tasks})
+    result: dict[str, Any] = {
+        name: summarize([s for t, s in zip(tasks, by_task, strict=True) if name in (t.family, "all")], ks)
+        for name in ("all", *families)
+    }
+    examples = [{"request": g[0].task.request, "reply": g[0].text} for g in groups[:2]]
+    return {"n": n, "tasks": len(tasks), "temperature": temperature, "families": result, "examples": examples}
+
+
+def summarize(by_task: list[list[Score]], ks: list[int]) -> dict[str, float]:
+    """Shares over a family's replies and pass@k over its tasks (each task's scores are its n replies')."""
+    replies = [s for scores in by_task for s in scores]
+    out = {"tasks": len(by_task), "parses": _share(s.parses for s in replies)}
+    out["defines"] = _share(s.defines for s in replies)
+    for k in ks:
+        out[f"pass@{k}"] = sum(pass_at_k(len(s), sum(x.solved for x in s), k) for s in by_task) / len(by_task)
+    return out
+
+
+def _share(flags: Iterable[bool]) -> float:
+    flags = list(flags)
+    return sum(flags) / len(flags)
+
+
+def format_tasks(result: dict[str, Any]) -> str:
+    """One line overall, then one a family."""
+    lines = []
+    for name, row in result["families"].items():
+        passes = " | ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith("pass@"))
+        size = f"{row['tasks']} tasks" + (f" x {result['n']} samples" if name == "all" else "")
+        lines.append(f"{name}: {passes} | parses {row['parses']:.2f} | defines {row['defines']:.2f} ({size})")
+    return "\n".join(lines)
