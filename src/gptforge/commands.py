@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -120,6 +121,19 @@ def cmd_train(args: argparse.Namespace) -> None:
     result = train(cfg, args.out, resume=resume)
     if launch_env(os.environ).is_main:  # one process draws and says what next
         print(wrap_up(result, Path(args.out), Path(result.config.data.path or "DATA_DIR")))
+
+
+def cmd_rl(args: argparse.Namespace) -> None:
+    from gptforge.config import load_config
+    from gptforge.train.checkpointer import resume_config
+    from gptforge.train.rl import train_rl
+
+    if args.resume and args.config is None:
+        cfg = resume_config(Path(args.out), args.resume, args.set)
+    else:
+        cfg = load_config(args.config or "rl-cpu", args.set)
+    result = train_rl(cfg, args.out, resume=args.resume)
+    print(f"chat with it: gptforge chat {shlex.quote(str(result.run_dir))}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

@@ -146,6 +146,21 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=commands.cmd_train)
 
+    s = sub.add_parser("rl", help="reinforcement learning from unit tests (GRPO) on a chat model")
+    s.add_argument(
+        "--config",
+        type=preset_name,
+        help="preset name or .toml path (default: rl-cpu; with --resume: the checkpoint's config)",
+    )
+    s.add_argument("--out", default="runs/rl", help="run folder (default: runs/rl): new or empty, or this run's")
+    _add_set_flag(s, help="override an option (train.init_from=CHAT_CKPT starts the run; rl.*: see --help-config)")
+    s.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue --out from its newest intact checkpoint (auto; none yet: start) or from PATH",
+    )
+    s.set_defaults(func=commands.cmd_rl)
+
 
 def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
     s.add_argument("--device", default="auto")

@@ -29,6 +29,7 @@ from gptforge.config.sections import (
     EvalConfig,
     LogConfig,
     OptimConfig,
+    RLConfig,
     TrainConfig,
 )
 from gptforge.errors import GptforgeError
@@ -214,6 +215,7 @@ __all__ = [
     "GPTConfig",
     "LogConfig",
     "OptimConfig",
+    "RLConfig",
     "TrainConfig",
     "config_from_dict",
     "describe",

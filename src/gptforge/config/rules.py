@@ -12,6 +12,7 @@ from gptforge.data.mixture import parse_mix
 from gptforge.errors import GptforgeError
 from gptforge.model.lora import TARGETS as LORA_TARGETS
 from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
+from gptforge.tasks.score import REWARDS
 from gptforge.tokens.chat import TEMPLATES
 
 
@@ -94,6 +95,18 @@ RULES: dict[str, tuple[Any, str]] = {
     "checkpoint.keep_last": _at_least(0),
     "checkpoint.milestone_every": _at_least(0),
     "log.every": _at_least(1),
+    "rl.tasks_per_step": _within(1, 2**16, high_ok=True),
+    "rl.group": _within(2, 2**10, high_ok=True),  # one reply has no group to be better or worse than
+    "rl.temperature": ((lambda v: 0 < v <= 100), "in (0, 100]: greedy replies of a group would all agree"),
+    "rl.max_new_tokens": _within(1, 2**14, high_ok=True),
+    "rl.reward": _one_of(*REWARDS),
+    "rl.kl": _at_least(0),
+    "rl.updates": _within(1, 64, high_ok=True),
+    "rl.clip": ((lambda v: 0 < v < 1), "in (0, 1)"),
+    "rl.micro_batch": _at_least(1),
+    "rl.eval_tasks": _within(0, 2**16, high_ok=True),
+    "rl.eval_samples": _within(1, 2**10, high_ok=True),
+    "rl.eval_temperature": _within(0, 100, high_ok=True),
 }
 
 

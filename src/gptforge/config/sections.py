@@ -170,6 +170,41 @@ class LogConfig:
 
 
 @dataclass
+class RLConfig:
+    tasks: str = "builtin"
+    """`gptforge rl`'s training tasks: builtin (the built-in families' training split, fresh tasks each step) or a
+    JSONL file of tasks (request, entry_point, tests), taken in a seeded order each pass."""
+    tasks_per_step: int = 7
+    """Tasks a step (all processes together), each answered by `group` replies."""
+    group: int = 8
+    """Replies sampled per task; a reply's advantage is its reward less its group's mean."""
+    temperature: float = 1.0
+    """Sampling temperature of the replies."""
+    max_new_tokens: int = 128
+    """A reply's length limit in tokens (it ends sooner at the end of its turn)."""
+    reward: str = "pass"
+    """pass: 1 when every test passes, else 0; share: the share of its tests a reply passes (a denser signal for a
+    weak model). A reply the sandbox stopped (a timeout, memory, a refused operation) earns 0 either way."""
+    scale: bool = True
+    """Divide advantages by their group's standard deviation (GRPO); false keeps reward - mean (Dr. GRPO)."""
+    kl: float = 0.0
+    """Weight of a KL term (k3 estimate) to the starting policy in the loss (0: none, and no reference copy kept)."""
+    updates: int = 1
+    """Optimizer steps on each batch of replies; past the first, the probability ratio to the sampling policy is
+    clipped (PPO)."""
+    clip: float = 0.2
+    """PPO's clip range for that ratio: [1 - clip, 1 + clip]."""
+    micro_batch: int = 16
+    """Replies per forward/backward pass of the update."""
+    eval_tasks: int = 35
+    """Held-out built-in tasks scored at each evaluation (the start, every eval.every steps, the end)."""
+    eval_samples: int = 1
+    """Replies per held-out task (pass@1 is the unbiased estimate over them)."""
+    eval_temperature: float = 0.0
+    """Their sampling temperature (0: greedy, the model's own best answer)."""
+
+
+@dataclass
 class Config:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -178,3 +213,4 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
