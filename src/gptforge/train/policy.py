@@ -85,4 +85,4 @@ def policy_loss(
     clipped = ((ratio - 1).abs() > clip).float()
     loss = (per_token * mask).sum() / tokens
     count = mask.sum().clamp(min=1)
-    return LossParts(loss, float((kl * mask).sum() / count), float((clipped * mask).sum() / count))
+    return LossParts(loss, float((kl.detach() * mask).sum() / count), float((clipped * mask).sum() / count))
