@@ -7,8 +7,9 @@ from tests.helpers import chat_checkpoint
 from gptforge.checkpoint import load_checkpoint
 from gptforge.errors import GptforgeError
 from gptforge.eval import tasks as chat_eval
+from gptforge.eval.humaneval import truncate
 from gptforge.eval.suite import evaluate_checkpoint, format_results
-from gptforge.eval.tasks import Reply, chat_prompt, evaluate_tasks, sample_replies, summarize
+from gptforge.eval.tasks import Reply, evaluate_tasks, sample_replies, summarize, task_prompt
 from gptforge.model.sampling import Sampling
 from gptforge.tasks.builtin import Task, builtin_tasks
 from gptforge.tasks.score import Score
@@ -70,7 +71,7 @@ def test_each_reply_draws_the_same_tokens_whatever_is_sampled_beside_it(chat_mod
     assert len({tuple(r.ids) for r in together[1]}) == 3  # the n samples of one task differ
     for group, t in zip(together, tasks, strict=True):
         for reply in group:
-            assert reply.prompt == chat_prompt(tok, t.request) and len(reply.ids) <= 12
+            assert reply.prompt == task_prompt(tok, t.request) and len(reply.ids) <= 12
             assert reply.text == tok.decode([i for i in reply.ids if i not in (tok.im_end, tok.im_start, tok.eot)])
 
 
@@ -92,15 +93,21 @@ def test_eval_tasks_from_a_file_prints_a_line_a_family(chat_model, tmp_path):
     assert lines[1].startswith("step 1 tasks one: pass@1 0.0000")
 
 
-def test_a_bad_tasks_flag_is_refused_before_the_model_loads_and_a_base_model_is_refused(tmp_path, chat_model):
+def test_a_bad_tasks_flag_is_refused_before_the_model_loads(tmp_path, chat_model):
     path, _, _ = chat_model
     with pytest.raises(GptforgeError, match="--tasks .*missing"):
         evaluate_checkpoint("no-such-checkpoint", tasks=str(tmp_path / "missing"))
     with pytest.raises(GptforgeError, match="--k 5: pass@k"):
         evaluate_checkpoint("no-such-checkpoint", tasks="builtin", samples=2, ks=(5,))
-    base = chat_checkpoint(tmp_path / "base", chat=False, block_size=128)
-    with pytest.raises(GptforgeError, match="--tasks: .*base model without the chat template"):
-        evaluate_checkpoint(str(base), tasks="builtin", limit=1, samples=1)
+
+
+def test_a_base_model_continues_the_request_as_comments_and_its_code_ends_at_top_level_code(tmp_path):
+    model, tok, _, _ = load_checkpoint(chat_checkpoint(tmp_path / "base", chat=False, block_size=128))
+    task = Task("t", "f", "Write `f`.\nIt adds one.", "f", ("assert f(1) == 2",), "")
+    assert task_prompt(tok, task.request) == tok.encode("# Write `f`.\n# It adds one.\n")
+    [[reply]] = sample_replies(model, tok, [task], n=1, rule=Sampling(0.0), seed=0, max_new_tokens=30)
+    whole = tok.decode([t for t in reply.ids if t != tok.eot])
+    assert reply.text == truncate(whole) and whole.startswith(reply.text)
 
 
 def test_a_request_longer_than_the_context_names_its_task(chat_model):
@@ -113,7 +120,7 @@ def test_a_request_longer_than_the_context_names_its_task(chat_model):
 def test_greedy_replies_are_the_model_s_own_argmax(chat_model):
     _, model, tok = chat_model
     [[reply]] = sample_replies(model, tok, [ADD], n=1, rule=Sampling(0.0), seed=0, max_new_tokens=3)
-    ids = chat_prompt(tok, ADD.request)
+    ids = task_prompt(tok, ADD.request)
     for token in reply.ids:
         with torch.no_grad():
             assert model(torch.tensor([ids]))[0][0, -1].argmax().item() == token

