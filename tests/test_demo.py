@@ -125,29 +125,43 @@ def _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch):
 
 
 def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path, corpus_dir, monkeypatch, capsys):
+    import gptforge.demo
     from gptforge.checkpoint import latest_checkpoint, load_checkpoint
     from gptforge.data.shards import read_manifest
 
     data, base = _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch)
+    monkeypatch.setattr(gptforge.demo, "HELD_OUT_TASKS", 7)
+    monkeypatch.setattr(gptforge.demo, "TRAINING_TASKS", 70)
     out = tmp_path / "runs" / "demo-chat"
     tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=1", "train.batch_tokens=256", "eval.every=0"]
+    tiny += ["rl.tasks_per_step=2", "rl.group=2", "rl.max_new_tokens=8", "rl.eval_tasks=0"]
     args = ["demo", "--chat", "--base", str(base), "--data", str(data), "--out", str(out)]
-    assert main([*args, *sum((["--set", s] for s in tiny), [])]) == 0
+    assert main([*args, "--rl-budget", "1", *sum((["--set", s] for s in tiny), [])]) == 0
     printed = capsys.readouterr().out
-    assert "=== a conversation (held-out functions" in printed and f"gptforge chat {out}" in printed
+    for stage in ("the base model (each request as comments)", "after fine-tuning", "after RL"):
+        assert f"=== {stage}: held-out tasks pass@1 " in printed
+    assert "=== held-out tasks (7, greedy): pass@1 ===" in printed and f"gptforge chat {out}-rl" in printed
     rows = [json.loads(line) for line in (tmp_path / "data" / "stdlib-chat.jsonl").read_text().splitlines()]
     assert {r["split"] for r in rows} == {"train", "val"} and rows[0]["messages"][0]["content"].startswith("Write a")
+    tasks = [r for r in rows if r["source"].startswith("builtin:")]
+    assert len(tasks) == 77 and {r["split"] for r in tasks} == {"train", "val"}
     assert read_manifest(tmp_path / "data" / "stdlib-chat")["chat"]["template"] == "chatml"
     _, tok, cfg, _ = load_checkpoint(out)
     assert cfg.train.init_from.startswith(str(base)) and cfg.data.chat_template == "chatml"
     assert tok.vocab_size == 402 and cfg.model.vocab_size == 402
+    _, _, rl_cfg, meta = load_checkpoint(f"{out}-rl")  # RL goes on from the fine-tuned model, for a step here
+    assert rl_cfg.train.init_from == str(latest_checkpoint(out)) and rl_cfg.data.chat_template == "chatml"
+    assert meta["step"] == 1 and rl_cfg.rl.group == 2 and cfg.rl.group == 8  # rl.* reached the RL stage alone
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["replies"]) == 2 and summary["replies"][0]["request"].startswith("Write a Python function")
+    assert list(summary["stages"]) == ["base", "sft", "rl"]
+    assert all(len(stage["replies"]) == 2 and 0 <= stage["pass@1"] <= 1 for stage in summary["stages"].values())
+    assert summary["stages"]["sft"]["replies"][0]["request"].startswith("Define `")
     capsys.readouterr()
     base_checkpoint = latest_checkpoint(base)
     args[args.index("--base") + 1] = str(base_checkpoint)  # a checkpoint folder is a base too
-    assert main([*args, "--force", *sum((["--set", s] for s in [*tiny, "train.max_steps=1"]), [])]) == 0  # rerun
-    assert load_checkpoint(out)[3]["step"] == 1
+    rerun = [*args, "--force", "--rl-budget", "0", *sum((["--set", s] for s in [*tiny, "train.max_steps=1"]), [])]
+    assert main(rerun) == 0
+    assert load_checkpoint(out)[3]["step"] == 1 and "after RL" not in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["base"] == str(base_checkpoint)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -204,6 +218,15 @@ def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_anothe
         assert (chat / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
         assert read_manifest(chat)["tokenizer"]["vocab_size"] == vocab
     assert "prepared with another tokenizer than --data's; preparing it again" in capsys.readouterr().out
+    rows_file = chat.with_name("stdlib-chat.jsonl")  # an earlier demo's rows, without the built-in tasks
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows if not r["source"].startswith("builtin:")))
+    settings = ChatSettings(tokenizer=str(data / "tokenizer.json"), val_fraction=0.0)
+    prepare_chat(str(rows_file), chat, settings, force=True)
+    older = read_manifest(chat)["splits"]["train"]["docs"]
+    gptforge.demo.prepare_function_conversations(data, chat)
+    assert rows_file.read_text().splitlines() == [json.dumps(r) for r in rows]
+    assert read_manifest(chat)["splits"]["train"]["docs"] > older  # and the folder holds them
     theirs = tmp_path / "theirs" / "stdlib-chat"  # a folder of the user's own conversations is never replaced
     mine = tmp_path / "mine.jsonl"
     mine.write_text(chat.with_name("stdlib-chat.jsonl").read_text())

@@ -125,6 +125,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_rl(args: argparse.Namespace) -> None:
     from gptforge.config import load_config
+    from gptforge.report.rl_plot import plot_rl
+    from gptforge.runtime.distributed import launch_env
     from gptforge.train.checkpointer import resume_config
     from gptforge.train.rl import train_rl
 
@@ -133,7 +135,8 @@ def cmd_rl(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config or "rl-cpu", args.set)
     result = train_rl(cfg, args.out, resume=args.resume)
-    print(f"chat with it: gptforge chat {shlex.quote(str(result.run_dir))}")
+    if launch_env(os.environ).is_main:
+        print(f"wrote {plot_rl(result.run_dir).path}; chat with it: gptforge chat {shlex.quote(str(result.run_dir))}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -276,7 +279,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def cmd_plot(args: argparse.Namespace) -> None:
     from gptforge.report.plot import plot_runs
+    from gptforge.report.rl_plot import is_rl_run, plot_rl
 
+    if len(args.run_dirs) == 1 and is_rl_run(args.run_dirs[0]):
+        print(f"wrote {plot_rl(args.run_dirs[0], args.out).path}")
+        return
     print(f"wrote {plot_runs(args.run_dirs, args.out).path}")
 
 
@@ -289,10 +296,14 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from gptforge.demo import run_chat_demo, run_demo
 
+    if args.rl_budget is not None and not args.chat:
+        raise GptforgeError("--rl-budget: only with --chat (RL trains the fine-tuned chat model)")
     if args.chat:
         if args.config:
             raise GptforgeError("--config: with --chat the fine-tuning recipe is chat-cpu (change it with --set)")
-        run_chat_demo(args.base, args.data, args.out or "runs/demo-chat", args.time_budget, args.set, args.force)
+        run_chat_demo(
+            args.base, args.data, args.out or "runs/demo-chat", args.time_budget, args.set, args.force, args.rl_budget
+        )
         return
     run_demo(
         "runs/demo" if args.out is None else args.out, args.data, args.time_budget, args.set, args.force, args.config

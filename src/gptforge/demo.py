@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import shlex
 import shutil
@@ -11,9 +12,16 @@ from pathlib import Path
 
 import torch
 
-from gptforge.checkpoint import META, latest_checkpoint, load_checkpoint, read_meta, resolve_checkpoint
+from gptforge.checkpoint import (
+    META,
+    latest_checkpoint,
+    load_checkpoint,
+    load_for_inference,
+    read_meta,
+    resolve_checkpoint,
+)
 from gptforge.config import config_from_dict, load_config
-from gptforge.data.chat.instructions import conversation_rows
+from gptforge.data.chat.instructions import TASK_SOURCE, conversation_rows, task_rows
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
@@ -22,13 +30,15 @@ from gptforge.data.report import summarize
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
+from gptforge.eval.tasks import evaluate_tasks
 from gptforge.files import LOCK, atomic_write, is_empty_dir, named, replacing_dir, temp_dir_path, to_json, write_json
 from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
 from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.report.plot import plot_runs
-from gptforge.tokens.chat import Message, format_chat
+from gptforge.tasks.builtin import builtin_tasks
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
+from gptforge.train.rl import train_rl
 from gptforge.train.setup import check_model_overrides, model_overrides
 from gptforge.train.trainer import TrainResult, train
 
@@ -155,17 +165,33 @@ def next_commands(out_dir: Path, data_dir: Path) -> list[str]:
 
 
 CHAT_PRESET = "chat-cpu"
-# Held-out requests the chat demo answers: functions of the validation split's files (their split is the file's).
-SHOWN_REPLIES = 2
+RL_PRESET = "rl-cpu"
+HELD_OUT_TASKS = 70  # built-in held-out tasks scored at each stage of the chat demo: 10 of each family
+TRAINING_TASKS = 4000  # built-in training tasks among its conversations (prepare keeps one of each repeat)
+STAGES = {"base": "the base model (each request as comments)", "sft": "after fine-tuning", "rl": "after RL"}
 
 
-def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, overrides: list[str], force: bool) -> dict:
-    """Fine-tune the demo's model (`base`, trained first when it has no checkpoint) on conversations built from the
-    training split's documented functions; print replies to held-out requests."""
+def run_chat_demo(
+    base: str,
+    data: str,
+    out: str,
+    time_budget: float | None,
+    overrides: list[str],
+    force: bool,
+    rl_budget: float | None = None,
+) -> dict:
+    """Fine-tune the demo's model (`base`, trained first when it has no checkpoint) on conversations: requests for
+    the training split's documented functions and built-in tasks; then RL from unit tests into OUT-rl (for
+    `rl_budget` seconds, the preset's when None, none when 0). Held-out tasks' pass@1 and two replies are printed
+    before and after each stage. `--set rl.*` reaches the RL stage, train.seed both, every other key the fine-tuning."""
     base_dir, data_dir, out_dir = output_folder(base, "--base"), output_folder(data, "--data"), Path(out)
+    rl_dir = named(out_dir).with_name(f"{named(out_dir).name}-rl")
     chat_data = named(data_dir).with_name(f"{named(data_dir).name}-chat")
     check_output_dir(out_dir, force, reads=[data_dir, chat_data, base_dir], is_run=True)
-    _check_base_shape(base_dir, overrides)
+    if rl_budget != 0:
+        check_output_dir(rl_dir, force, reads=[data_dir, chat_data, base_dir, out_dir], is_run=True)
+    sft_overrides = [o for o in overrides if not o.startswith("rl.")]
+    _check_base_shape(base_dir, sft_overrides)
     base_checkpoint = _base_checkpoint(base_dir, data_dir)
     if not (data_dir / TOKENIZER_FILE).is_file():
         raise GptforgeError(
@@ -173,28 +199,48 @@ def run_chat_demo(base: str, data: str, out: str, time_budget: float | None, ove
         )
     budget = [] if time_budget is None else [f"train.time_budget={time_budget}"]
     start = [f"data.path={chat_data}", f"train.init_from={base_checkpoint}"]
-    cfg = load_config(CHAT_PRESET, [*overrides, *budget, *start])
+    cfg = load_config(CHAT_PRESET, [*sft_overrides, *budget, *start])
+    # The seed is the run's, both stages'; every other key but rl.* is the fine-tuning's.
+    rl_settings = [o for o in overrides if o.startswith(("rl.", "train.seed="))]
+    rl_settings += [] if rl_budget is None else [f"train.time_budget={rl_budget}"]
+    load_config(RL_PRESET, rl_settings)  # a bad rl.* value is said before any training
     with training_in(out_dir) as run_dir:  # locked first: a demo running there is said before the conversations
-        rows_file = prepare_function_conversations(data_dir, chat_data)
+        stages = {"base": held_out_tasks(base_checkpoint, "base")}
+        prepare_function_conversations(data_dir, chat_data)
         result = train(cfg, run_dir)
     checkpoint = out_dir / result.checkpoint.relative_to(run_dir)
-    model, tok, _, _ = load_checkpoint(checkpoint)
-    held_out = [row for _, row in read_jsonl(rows_file) if row["split"] == "val"]
-    replies = []
-    print("\n=== a conversation (held-out functions, temperature 0.2) ===")
-    g = torch.Generator().manual_seed(0)
-    for row in held_out[:SHOWN_REPLIES]:
-        request = row["messages"][0]["content"]
-        prompt = format_chat(tok, [Message("user", request)], add_generation_prompt=True).ids.tolist()
-        reply = tok.decode(generate(model, prompt, 160, temperature=0.2, top_k=50, eot=tok.im_end, generator=g)[0])
-        replies.append({"request": request, "reply": reply})
-        print(f"user> {request}\nassistant> {reply}\n")
-    summary = {"base": str(base_checkpoint), "checkpoint": str(checkpoint), "steps": result.steps}
-    summary.update(before=result.first_val, after=result.last_val, replies=replies)
-    write_json(out_dir / "summary.json", summary)
     print(f"replies' validation loss: {result.first_val['loss']:.4f} before, {result.last_val['loss']:.4f} after")
-    print(f"wrote {checkpoint}; talk with it: gptforge chat {shlex.quote(str(out_dir))}")
+    stages["sft"] = held_out_tasks(checkpoint, "sft")
+    final, final_dir = checkpoint, out_dir
+    if rl_budget != 0:
+        rl_cfg = load_config(RL_PRESET, [*rl_settings, f"train.init_from={checkpoint}"])
+        with training_in(rl_dir) as run_dir:
+            rl_result = train_rl(rl_cfg, run_dir)
+        final, final_dir = rl_dir / rl_result.checkpoint.relative_to(run_dir), rl_dir
+        stages["rl"] = held_out_tasks(final, "rl")
+    print(f"\n=== held-out tasks ({HELD_OUT_TASKS}, greedy): pass@1 ===")
+    for stage, row in stages.items():
+        print(f"{STAGES[stage]:>45}  {row['pass@1']:.4f}")
+    summary = {"base": str(base_checkpoint), "checkpoint": str(checkpoint), "steps": result.steps}
+    summary.update(before=result.first_val, after=result.last_val, stages=stages)
+    summary.update(rl_checkpoint=str(final) if rl_budget != 0 else None)
+    write_json(out_dir / "summary.json", summary)
+    print(f"wrote {final}; talk with it: gptforge chat {shlex.quote(str(final_dir))}")
     return summary
+
+
+def held_out_tasks(checkpoint: Path, stage: str) -> dict:
+    """Greedy pass@1 on the held-out built-in tasks, with the replies to the first two; printed."""
+    run = load_for_inference(checkpoint)
+    result = evaluate_tasks(
+        run.model, run.tokenizer, builtin_tasks("val", HELD_OUT_TASKS), n=1, ks=[1], temperature=0.0, dtype=run.dtype
+    )
+    row = result["families"]["all"]
+    print(f"\n=== {STAGES[stage]}: held-out tasks pass@1 {row['pass@1']:.4f}, parses {row['parses']:.2f}, "
+          f"defines {row['defines']:.2f} ===")  # fmt: skip
+    for example in result["examples"]:
+        print(f"user> {example['request']}\nassistant> {example['reply']}\n")
+    return {**row, "replies": result["examples"]}
 
 
 def _check_base_shape(base_dir: Path, overrides: list[str]) -> None:
@@ -226,13 +272,19 @@ def _base_checkpoint(base_dir: Path, data_dir: Path) -> Path:
 
 def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
     """`data/stdlib-chat.jsonl` (a request for each documented function of the stdlib, answered with its source,
-    in its file's split) and the chat folder prepared from it; both reused when present, the folder prepared again
-    once --data's tokenizer changed."""
+    in its file's split; and the built-in tasks, answered with their reference solutions) and the chat folder
+    prepared from it; both reused when present, the folder prepared again once --data's tokenizer changed, both
+    written again where an earlier version of the demo wrote them without the tasks."""
     rows_file = chat_data.with_name(f"{chat_data.name}.jsonl")
-    if not rows_file.is_file():
-        lines = (to_json(row) + "\n" for row in conversation_rows(stdlib_documents(), VAL_FRACTION))
-        atomic_write(rows_file, "".join(lines))
-    stale = (chat_data / MANIFEST).is_file() and _other_tokenizer(chat_data, data_dir, rows_file)
+    older = rows_file.is_file() and not any(
+        str(row.get("source", "")).startswith(TASK_SOURCE) for _, row in read_jsonl(rows_file)
+    )
+    if not rows_file.is_file() or older:
+        rows = itertools.chain(
+            conversation_rows(stdlib_documents(), VAL_FRACTION), task_rows(TRAINING_TASKS, HELD_OUT_TASKS)
+        )
+        atomic_write(rows_file, "".join(to_json(row) + "\n" for row in rows))
+    stale = (chat_data / MANIFEST).is_file() and (older or _other_tokenizer(chat_data, data_dir, rows_file))
     if stale or not (chat_data / MANIFEST).is_file():
         settings = ChatSettings(tokenizer=str(data_dir / TOKENIZER_FILE), val_fraction=0.0)
         prepare_chat(str(rows_file), chat_data, settings, force=stale)

@@ -24,8 +24,10 @@ FIELDS = {
     "val": ("loss", "ppl", "bpb"),
     "hellaswag": ("acc_norm_token", "n"),
     "code": ("cases", "prefix_exact", "parse_rate"),
+    "rl": ("reward", "pass_rate", "reply_tokens", "kl", "time"),
+    "tasks": ("pass@1", "tasks"),
 }
-COUNTED = ("tokens", "time", "n", "cases")  # always finite: never null
+COUNTED = ("tokens", "time", "n", "cases", "tasks")  # always finite: never null
 
 
 def finite_number(value: Any) -> bool:

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from gptforge.eval.humaneval import run_programs
-from gptforge.tasks.builtin import FAMILIES, TESTS_PER_TASK, builtin_tasks
+from gptforge.tasks.builtin import FAMILIES, OPENERS, TESTS_PER_TASK, builtin_tasks
 
 
 def test_the_same_seed_gives_the_same_tasks_and_another_seed_others():
@@ -30,12 +30,16 @@ def test_held_out_tasks_share_no_phrasing_and_no_parameters_with_training_ones()
         return task.request.replace(task.entry_point, "NAME")
 
     assert not {shape(t) for t in train} & {shape(t) for t in val}
-    for family in FAMILIES:  # each family's phrasings split between the two, none in both
-        seen = {
-            split: {re.sub(r"`\w+\(", "`(", t.request) for t in tasks if t.family == family.name}
-            for split, tasks in (("train", train), ("val", val))
-        }
-        assert seen["train"] and seen["val"]
+    for index, opener in enumerate(OPENERS):  # each opener starts the requests of its split alone
+        start = opener.split("{sig}")[0]
+        own, other = (train, val) if index % 2 == 0 else (val, train)
+        assert any(t.request.startswith(start) for t in own) and not any(t.request.startswith(start) for t in other)
+    for family in FAMILIES:  # and each description, as its split's parameters fill it, its split's alone
+        for index, body in enumerate(family.bodies):
+            words = max(re.split(r"\{\w*\}", body), key=len)  # its longest stretch without a parameter
+            own, other = (train, val) if index % 2 == 0 else (val, train)
+            assert any(words in t.request for t in own if t.family == family.name)
+            assert not any(words in t.request for t in other if t.family == family.name), (family.name, words)
     parameters = {  # the solution's constants, per family and split
         split: {(t.family, t.solution.split("\n", 1)[1]) for t in tasks}
         for split, tasks in (("train", train), ("val", val))

@@ -319,7 +319,8 @@ def _add_run_commands(sub) -> None:
     s.add_argument(
         "--chat",
         action="store_true",
-        help="fine-tune the demo's model (--base) to answer requests for functions; trains the base first if needed",
+        help="fine-tune the demo's model (--base) to answer requests for functions, then RL from unit tests; trains "
+        "the base first if needed",
     )
     s.add_argument("--base", default="runs/demo", help="with --chat: the demo run to fine-tune (default: runs/demo)")
     s.add_argument("--data", default="data/stdlib", help="prepared corpus folder (default: data/stdlib)")
@@ -328,6 +329,13 @@ def _add_run_commands(sub) -> None:
     )
     s.add_argument(
         "--time-budget", type=at_least(1.0, float), default=None, help="training seconds (default: the preset's)"
+    )
+    s.add_argument(
+        "--rl-budget",
+        type=at_least(0.0, float),
+        default=None,
+        help="with --chat: seconds of RL from unit tests after the fine-tuning, into OUT-rl (default: rl-cpu's 300; "
+        "0: none)",
     )
     _add_force_flag(s)
     _add_set_flag(s)

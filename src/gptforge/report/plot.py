@@ -43,7 +43,7 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
     return out
 
 
-def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     """Steps and values of `key` that an axis can hold (a diverged step logs null; a hand-edited line may lack the
     key, or hold a number too large to draw)."""
     pairs = [(r["step"], r.get(key)) for r in records]
@@ -110,7 +110,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Plot
     ax["loss"].set_ylabel("cross-entropy (nats/token)")
     fig.suptitle(" vs ".join(printable(d.name) for d, _ in runs))
     fig.tight_layout()
-    _save(fig, plot.path)
+    save_figure(fig, plot.path)
     plt.close(fig)
     return plot
 
@@ -119,19 +119,19 @@ def _draw_run(ax: dict, rec: dict[str, list[dict]], color: str, name: str, plot:
     """One run's curves on every panel, its final validation values written beside their last points."""
     train, val, hs = rec["train"], rec["val"], rec["hellaswag"]
     for panel, key in (("learning rate", "lr"), ("grad norm (pre-clip)", "grad_norm"), ("tokens/s", "tokens_per_s")):
-        steps, values = _series(train, key)
+        steps, values = series(train, key)
         ax[panel].plot(steps, values if key == "lr" else smooth(values), color=color, label=name)
-    steps, losses = _series(train, "loss")
+    steps, losses = series(train, "loss")
     ax["loss"].plot(steps, losses, color=color, alpha=0.2, linewidth=0.7)
     ax["loss"].plot(steps, smooth(losses), color=color, label=f"{name} train (smoothed)")
     finals = [
-        ("loss", _series(val, "loss"), f"{name} val", "{:.3f}"),
-        ("val bits per byte", _series(val, "bpb"), name, "{:.3f}"),
+        ("loss", series(val, "loss"), f"{name} val", "{:.3f}"),
+        ("val bits per byte", series(val, "bpb"), name, "{:.3f}"),
     ]
     if HELLASWAG in ax:
-        finals.append((HELLASWAG, _series(hs, "acc_norm_token"), name, "{:.2%}"))
+        finals.append((HELLASWAG, series(hs, "acc_norm_token"), name, "{:.2%}"))
     if CODE in ax:
-        finals += [(CODE, _series(rec["code"], key), f"{name} {label}", "{:.0%}") for key, label, _ in CODE_CURVES]
+        finals += [(CODE, series(rec["code"], key), f"{name} {label}", "{:.0%}") for key, label, _ in CODE_CURVES]
     styles = {f"{name} {label}": style for _, label, style in CODE_CURVES}
     for panel, (steps, values), label, fmt in finals:
         if panel == CODE and not values:  # a model without FIM has no infilling curves
@@ -144,13 +144,13 @@ def _draw_run(ax: dict, rec: dict[str, list[dict]], color: str, name: str, plot:
             plot.annotations.append(f"{panel}: {label} {text}")
     for j, source in enumerate(val_sources(val)):
         style = {"color": color, "linestyle": ":", "marker": SOURCE_MARKERS[j % len(SOURCE_MARKERS)], "markersize": 3}
-        ax["loss"].plot(*_series(val, f"loss/{source}"), **style, label=f"{name} val {source}")
-        ax["val bits per byte"].plot(*_series(val, f"bpb/{source}"), **style, label=f"{name} {source}")
+        ax["loss"].plot(*series(val, f"loss/{source}"), **style, label=f"{name} val {source}")
+        ax["val bits per byte"].plot(*series(val, f"bpb/{source}"), **style, label=f"{name} {source}")
 
 
 def _tokens_axis(train: list[dict]) -> tuple | None:
     """Step <-> tokens for a secondary axis, from a run's train records (a batch ramp makes it non-linear)."""
-    steps, tokens = _series(train, "tokens")
+    steps, tokens = series(train, "tokens")
     rising = all(b > a for xs in (steps, tokens) for a, b in zip(xs, xs[1:], strict=False))
     if len(steps) < 2 or not rising:
         return None
@@ -169,7 +169,7 @@ def _tokens_axis(train: list[dict]) -> tuple | None:
     return (lambda s: np.interp(s, xs, ys)), (lambda t: np.interp(t, ys, xs))
 
 
-def _save(fig, out: Path) -> None:
+def save_figure(fig, out: Path) -> None:
     if out.is_dir():
         raise GptforgeError(f"--out {out}: is a folder (expected an image file name such as loss.png)")
     kind = out.suffix[1:].lower() or "png"

@@ -25,15 +25,30 @@ class Task:
 
 @dataclass(frozen=True)
 class Family:
-    """How one kind of task is made: its phrasings ({name}, {a}, {b} filled in), its parameters per split, a
-    reference solution per parameters, and inputs to test it on."""
+    """How one kind of task is made: its signature ({name} filled in), the ways of saying what it does ({a}, {b}
+    filled in), its parameters per split, a reference solution per parameters, and inputs to test it on."""
 
     name: str
-    phrasings: tuple[str, ...]
+    signature: str
+    bodies: tuple[str, ...]
     params: Callable[[random.Random, str], dict]
     solution: Callable[[str, dict], str]
     inputs: Callable[[random.Random, dict], tuple]
     names: tuple[str, ...]
+
+
+# How a request opens ({sig}: the signature) before it says what the function does ({body}). A request is an
+# opener and a body of one split: even-numbered ones are the training split's, odd-numbered ones held out.
+OPENERS = (
+    "Write a Python function `{sig}` that {body}.",
+    "I need `{sig}`; it {body}.",
+    "Define `{sig}`, which {body}.",
+    "Please write `{sig}` in Python so that it {body}.",
+    "Implement `{sig}`: it {body}.",
+    "Give me a Python function `{sig}` which {body}.",
+    "Create the function `{sig}`. It {body}.",
+    "Could you code `{sig}`? It {body}.",
+)
 
 
 def _word(rng: random.Random, letters: str = "abcdefghij", size: tuple[int, int] = (0, 8)) -> str:
@@ -56,11 +71,12 @@ def _split_range(split: str, train: range, val: range) -> range:
 FAMILIES = (
     Family(
         "reverse",
+        "{name}(s: str) -> str",
         (
-            "Write a Python function `{name}(s: str) -> str` that returns the string s reversed.",
-            "Define `{name}(s: str) -> str`: given a string, return its characters in reverse order.",
-            "I need a Python function named `{name}` taking a string `s` and returning it backwards.",
-            "Implement `{name}(s)` in Python so that it returns s read from right to left.",
+            "returns the string s reversed",
+            "gives back the characters of s in reverse order",
+            "returns s read from right to left",
+            "returns s backwards, its last character first",
         ),
         lambda rng, split: {},
         lambda name, p: f"def {name}(s):\n    return s[::-1]\n",
@@ -69,39 +85,40 @@ FAMILIES = (
     ),
     Family(
         "count_char",
+        "{name}(s: str) -> int",
         (
-            "Write a Python function `{name}(s: str) -> int` that counts how many times the character '{a}' occurs "
-            "in s.",
-            "Define `{name}(s: str) -> int` returning the number of '{a}' characters in the string s.",
-            "In Python, implement `{name}(s)`: how often does '{a}' appear in s? Return that count.",
-            "Give me a function `{name}(s: str) -> int` that returns the count of the letter '{a}' in s.",
+            "counts how many times the character '{a}' occurs in s",
+            "returns the number of '{a}' characters in the string s",
+            "returns how often '{a}' appears in s",
+            "gives the count of the letter '{a}' in s",
         ),
-        lambda rng, split: {"a": rng.choice("abcde" if split == "train" else "fghij")},
+        lambda rng, split: {"a": rng.choice("abcdeklmno" if split == "train" else "fghij")},
         lambda name, p: f"def {name}(s):\n    return s.count({p['a']!r})\n",
         lambda rng, p: (_word(rng, "abcdefghij", (0, 12)),),
         ("count_letter", "occurrences", "how_many", "tally"),
     ),
     Family(
         "keep_multiples",
+        "{name}(xs: list[int]) -> list[int]",
         (
-            "Write a Python function `{name}(xs: list[int]) -> list[int]` that keeps only the numbers of xs "
-            "divisible by {a}, in order.",
-            "Define `{name}(xs: list[int]) -> list[int]`: return the elements of xs that are multiples of {a}.",
-            "Implement `{name}(xs)` in Python returning, in their original order, the items of xs divisible by {a}.",
-            "I need `{name}(xs: list[int]) -> list[int]`, which filters xs down to the multiples of {a}.",
+            "keeps only the numbers of xs divisible by {a}, in order",
+            "returns the elements of xs that are multiples of {a}",
+            "returns, in their original order, the items of xs divisible by {a}",
+            "filters xs down to the multiples of {a}",
         ),
-        lambda rng, split: {"a": rng.choice(_split_range(split, range(2, 5), range(5, 8)))},
+        lambda rng, split: {"a": rng.choice((2, 3, 4, 8, 9) if split == "train" else (5, 6, 7))},
         lambda name, p: f"def {name}(xs):\n    return [x for x in xs if x % {p['a']} == 0]\n",
         lambda rng, p: (_ints(rng, (0, 9)),),
         ("multiples", "keep_divisible", "filter_by", "only_multiples"),
     ),
     Family(
         "clamp",
+        "{name}(x: int) -> int",
         (
-            "Write a Python function `{name}(x: int) -> int` that returns x clamped to the range [{a}, {b}].",
-            "Define `{name}(x: int) -> int`: return {a} if x is below {a}, {b} if x is above {b}, else x.",
-            "Implement `{name}(x)` in Python so that the result is x limited to lie between {a} and {b} inclusive.",
-            "I need `{name}(x: int) -> int` that forces x into the interval from {a} to {b}.",
+            "returns x clamped to the range [{a}, {b}]",
+            "returns {a} if x is below {a}, {b} if x is above {b}, else x",
+            "returns x limited to lie between {a} and {b} inclusive",
+            "forces x into the interval from {a} to {b}",
         ),
         lambda rng, split: (lambda lo: {"a": lo, "b": lo + rng.choice(_split_range(split, range(3, 8), range(8, 13)))})(
             rng.randint(-5, 5)
@@ -112,13 +129,12 @@ FAMILIES = (
     ),
     Family(
         "merge_dicts",
+        "{name}(a: dict, b: dict) -> dict",
         (
-            "Write a Python function `{name}(a: dict, b: dict) -> dict` that merges the two dicts, b's value winning "
-            "for a key in both.",
-            "Define `{name}(a: dict, b: dict) -> dict` returning a new dict with every key of a and b; where both "
-            "have a key, use the value from b.",
-            "Implement `{name}(a, b)` in Python: combine dicts a and b into one, values of b overriding those of a.",
-            "I need `{name}(a: dict, b: dict) -> dict` that returns a merged copy where b takes precedence.",
+            "merges the two dicts, b's value winning for a key in both",
+            "returns a new dict with every key of a and b, using the value from b where both have a key",
+            "combines dicts a and b into one, values of b overriding those of a",
+            "returns a merged copy of a and b where b takes precedence",
         ),
         lambda rng, split: {},
         lambda name, p: f"def {name}(a, b):\n    return {{**a, **b}}\n",
@@ -129,12 +145,12 @@ FAMILIES = (
     ),
     Family(
         "running_sum",
+        "{name}(xs: list[int]) -> list[int]",
         (
-            "Write a Python function `{name}(xs: list[int]) -> list[int]` that returns the running sums of xs (the "
-            "i-th item is the sum of xs[0..i]).",
-            "Define `{name}(xs: list[int]) -> list[int]`: the prefix sums of xs, as a list of the same length.",
-            "Implement `{name}(xs)` in Python returning the cumulative totals of the list xs.",
-            "I need `{name}(xs: list[int]) -> list[int]` where each output item is the total of xs up to there.",
+            "returns the running sums of xs (the i-th item is the sum of xs[0..i])",
+            "returns the prefix sums of xs, as a list of the same length",
+            "returns the cumulative totals of the list xs",
+            "returns a list whose each item is the total of xs up to there",
         ),
         lambda rng, split: {},
         lambda name, p: (
@@ -146,14 +162,14 @@ FAMILIES = (
     ),
     Family(
         "parse_pairs",
+        "{name}(text: str) -> dict",
         (
-            "Write a Python function `{name}(text: str) -> dict` that parses text like 'a{a}1{b}b{a}2' (pairs "
-            "separated by '{b}', key and integer value by '{a}') into a dict of str to int; empty text gives {{}}.",
-            "Define `{name}(text: str) -> dict`: text holds key{a}value items joined by '{b}', values integers; return "
-            "them as a dict (an empty string gives an empty dict).",
-            "Implement `{name}(text)` in Python to read 'key{a}number' entries separated by '{b}' into a dict with "
-            "int values.",
-            "I need `{name}(text: str) -> dict` that turns a '{b}'-separated list of key{a}int pairs into a dict.",
+            "parses text like 'a{a}1{b}b{a}2' (pairs separated by '{b}', key and integer value by '{a}') into a dict "
+            "of str to int; empty text gives {{}}",
+            "reads key{a}value items joined by '{b}', values integers, into a dict (an empty string gives an empty "
+            "dict)",
+            "reads 'key{a}number' entries separated by '{b}' into a dict with int values",
+            "turns a '{b}'-separated list of key{a}int pairs into a dict (empty text: an empty dict)",
         ),
         lambda rng, split: dict(zip("ab", rng.choice(PAIR_MARKS[split]), strict=True)),
         lambda name, p: (
@@ -171,19 +187,21 @@ BY_NAME = {family.name: family for family in FAMILIES}
 TESTS_PER_TASK = 5
 
 
-def builtin_tasks(split: str, count: int, seed: int = 0) -> list[Task]:
+def builtin_tasks(split: str, count: int, seed: object = 0) -> list[Task]:
     """`count` tasks of `split`, cycling through the families; the same seed and split give the same tasks. Train
-    uses the even-numbered phrasings and one range of each family's parameters, val the odd ones and another."""
+    uses the even-numbered openers and bodies and one range of each family's parameters, val the odd ones and
+    another: a held-out request shares no opener, no description and no parameter with a training one."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
     rng = random.Random(f"gptforge-tasks-{seed}-{split}")
-    phrasings = slice(0, None, 2) if split == "train" else slice(1, None, 2)
+    mine = slice(0, None, 2) if split == "train" else slice(1, None, 2)
     tasks = []
     for i in range(count):
         family = FAMILIES[i % len(FAMILIES)]
         params = family.params(rng, split)
         name = rng.choice(family.names)
-        request = rng.choice(family.phrasings[phrasings]).format(name=name, **params)
+        body = rng.choice(family.bodies[mine]).format(**params)
+        request = rng.choice(OPENERS[mine]).format(sig=family.signature.format(name=name), body=body)
         solution = family.solution(name, params)
         tests = _tests(family, name, params, solution, rng)
         tasks.append(Task(f"{split}/{i}", family.name, request, name, tests, solution))

@@ -1,8 +1,10 @@
-"""Offline instruction data for a code model: conversations built from documented Python functions.
+"""Offline instruction data for a code model: conversations built from documented Python functions, and from
+the built-in verifiable tasks.
 
 For each function or method with a docstring, the user asks for a function with that name, signature and the
 docstring's description, and the assistant answers with the function's source. Built from any Python documents
-(the standard library for the embedded default), so it needs nothing from the network.
+(the standard library for the embedded default), so it needs nothing from the network. A built-in task's request
+is answered with its reference solution (training tasks in train, held-out ones in val).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from gptforge.data.pipeline import is_validation
+from gptforge.tasks.builtin import builtin_tasks
 from gptforge.tokens.chat import Message
+
+TASK_SOURCE = "builtin:"  # how a built-in task's row names its source
 
 MAX_SOURCE_CHARS = 1500  # a reply must fit the demo's context with its request (~4 characters a token)
 MIN_SOURCE_LINES = 3
@@ -52,6 +57,16 @@ def conversation_rows(documents: Iterable[tuple[str, str]], val_fraction: float,
         for task in function_tasks([(name, text)]):
             messages = [{"role": m.role, "content": m.content} for m in task.messages]
             yield {"messages": messages, "split": split, "source": f"{name}:{task.name}"}
+
+
+def task_rows(train: int, val: int, seed: int = 0) -> Iterator[dict]:
+    """`prepare --chat` rows of `train` built-in training tasks and `val` held-out ones, each answered with its
+    reference solution (repeated tasks among them are one for prepare's de-duplication)."""
+    for split, count in (("train", train), ("val", val)):
+        for task in builtin_tasks(split, count, seed):
+            reply = task.solution.rstrip()  # as a function's source is, in the rows above
+            messages = [{"role": "user", "content": task.request}, {"role": "assistant", "content": reply}]
+            yield {"messages": messages, "split": split, "source": f"{TASK_SOURCE}{task.name}"}
 
 
 def request_text(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
