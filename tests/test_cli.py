@@ -246,6 +246,7 @@ def test_every_command_refuses_an_out_that_is_a_device_fifo_or_socket(data_dir, 
         "train": ["--config", "tiny", "--data", str(data_dir)],
         "demo": ["--data", str(data_dir), "--force"],
         "plot": [str(tiny_run(tmp_path / "plotted"))],
+        "rl": ["--set", f"train.init_from={ckpt}"],
     }
     for command, args in commands.items():
         assert main([command, *args, "--out", str(special)]) == 1, command

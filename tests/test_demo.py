@@ -6,6 +6,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +129,7 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     import gptforge.demo
     from gptforge.checkpoint import latest_checkpoint, load_checkpoint
     from gptforge.data.shards import read_manifest
+    from gptforge.tasks.builtin import OPENERS
 
     data, base = _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch)
     monkeypatch.setattr(gptforge.demo, "HELD_OUT_TASKS", 7)
@@ -149,13 +151,15 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     _, tok, cfg, _ = load_checkpoint(out)
     assert cfg.train.init_from.startswith(str(base)) and cfg.data.chat_template == "chatml"
     assert tok.vocab_size == 402 and cfg.model.vocab_size == 402
-    _, _, rl_cfg, meta = load_checkpoint(f"{out}-rl")  # RL goes on from the fine-tuned model, for a step here
+    _, _, rl_cfg, meta = load_checkpoint(f"{out}-rl")  # RL goes on from the fine-tuned model, for a second here
     assert rl_cfg.train.init_from == str(latest_checkpoint(out)) and rl_cfg.data.chat_template == "chatml"
-    assert meta["step"] == 1 and rl_cfg.rl.group == 2 and cfg.rl.group == 8  # rl.* reached the RL stage alone
+    assert rl_cfg.train.time_budget == 1 and meta["seconds"] >= 1 and (Path(f"{out}-rl") / "rl.png").is_file()
+    assert rl_cfg.rl.group == 2 and cfg.rl.group == 8  # rl.* reached the RL stage alone
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["stages"]) == ["base", "sft", "rl"]
     assert all(len(stage["replies"]) == 2 and 0 <= stage["pass@1"] <= 1 for stage in summary["stages"].values())
-    assert summary["stages"]["sft"]["replies"][0]["request"].startswith("Define `")
+    held_out_openers = tuple(opener.split("{sig}")[0] for opener in OPENERS[1::2])
+    assert summary["stages"]["sft"]["replies"][0]["request"].startswith(held_out_openers)
     capsys.readouterr()
     base_checkpoint = latest_checkpoint(base)
     args[args.index("--base") + 1] = str(base_checkpoint)  # a checkpoint folder is a base too

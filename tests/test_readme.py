@@ -54,3 +54,31 @@ def test_the_decode_figures_are_the_recorded_run():
         f"32 rows together {record['gptforge'][rows]['tokens_per_s']:,.1f} tokens/s",
     ]
     assert [q for q in quoted if q not in readme] == []
+
+
+def test_the_rl_figures_are_the_recorded_runs():
+    """Held-out pass@1 before and after RL, and an RL step's time split, are quoted from `benchmarks/rl_demo.py`'s
+    recorded runs."""
+    import json
+
+    record = json.loads(sorted((ROOT / "benchmarks").glob("rl-demo-cpu-*.json"))[-1].read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    first, second = record["runs"]
+    percent = lambda run, stage: f"{run['pass@1'][stage]:.1%}"  # noqa: E731
+    gains = [100 * (run["pass@1"]["rl"] - run["pass@1"]["sft"]) for run in record["runs"]]
+    ratios = [run["pass@1"]["rl"] / run["pass@1"]["sft"] for run in record["runs"]]
+    curve = [point["pass@1"] for point in first["held_out_curve"][1:]]  # after step 0, the fine-tuned model
+    quoted = [
+        f"| base (each request as comments) | {record['base']['pass@1']:.1%} | {record['base']['pass@1']:.1%} |",
+        f"| after fine-tuning | {percent(first, 'sft')} | {percent(second, 'sft')} |",
+        f"| after RL | **{percent(first, 'rl')}** | **{percent(second, 'rl')}** |",
+        f"from {percent(first, 'sft')} and {percent(second, 'sft')} after fine-tuning to {percent(first, 'rl')} and "
+        f"{percent(second, 'rl')}",
+        f"RL added {gains[0]:.1f} and {gains[1]:.1f} points ({ratios[0]:.2f}× and {ratios[1]:.2f}×)",
+        f"moved between {min(curve):.1%} and {max(curve):.1%}",
+        f"An RL step took {first['rl_step_seconds']['sample_s']:.2f} s sampling 56 replies",
+        f"{first['rl_step_seconds']['score_s']:.2f} s scoring them",
+        f"{first['rl_step_seconds']['update_s']:.2f} s for the update",
+        f"matmul peaks {first['matmul_gflops']['fp32']} and {second['matmul_gflops']['fp32']} GFLOP/s fp32",
+    ]
+    assert [q for q in quoted if q not in readme] == []

@@ -36,6 +36,7 @@ from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
 from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.report.plot import plot_runs
+from gptforge.report.rl_plot import plot_rl
 from gptforge.tasks.builtin import builtin_tasks
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.train.rl import train_rl
@@ -218,6 +219,7 @@ def run_chat_demo(
             rl_result = train_rl(rl_cfg, run_dir)
         final, final_dir = rl_dir / rl_result.checkpoint.relative_to(run_dir), rl_dir
         stages["rl"] = held_out_tasks(final, "rl")
+        print(f"wrote {plot_rl(rl_dir).path}: reward, pass rate, reply length and time a step against steps")
     print(f"\n=== held-out tasks ({HELD_OUT_TASKS}, greedy): pass@1 ===")
     for stage, row in stages.items():
         print(f"{STAGES[stage]:>45}  {row['pass@1']:.4f}")

@@ -149,3 +149,19 @@ def test_rl_needs_a_chat_model_to_start_from(tmp_path):
         train_rl(load_config("rl-cpu", [f"train.init_from={base}"]), tmp_path / "b")
     with pytest.raises(GptforgeError, match=r"rl.group=1 \(expected in \[2, 1024\]\)"):
         load_config("rl-cpu", ["rl.group=1"])
+
+
+def test_the_rl_command_trains_plots_and_a_second_run_into_the_folder_needs_resume(chat_ckpt, tmp_path, monkeypatch):
+    from gptforge.cli import main
+
+    monkeypatch.setattr(rl, "score_replies", fake_scores)
+    out = tmp_path / "rl"
+    args = ["rl", "--out", str(out), *[a for s in [*SETTINGS, f"train.init_from={chat_ckpt}"] for a in ("--set", s)]]
+    assert main([*args, "--set", "train.max_steps=2", "--set", "checkpoint.every=1"]) == 0
+    assert (out / "rl.png").is_file() and sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_000001", "step_000002",
+    ]  # fmt: skip
+    assert main(args) == 1  # the folder holds a run: continuing it takes --resume
+    assert main([*args, "--set", "train.max_steps=3", "--resume", "auto"]) == 0
+    assert latest_checkpoint(out).name == "step_000003"
+    assert [r["step"] for r in read_metrics(out, ("rl",))["rl"]] == [1, 2, 3]

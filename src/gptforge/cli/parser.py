@@ -40,6 +40,8 @@ def build_parser() -> Parser:
     _add_checkpoint_commands(sub)
     _add_generation_commands(sub)
     _add_run_commands(sub)
+    _add_rl_command(sub)
+    _add_demo_command(sub)
     _add_serve_command(sub)
     return p
 
@@ -145,21 +147,6 @@ def _add_data_commands(sub) -> None:
     )
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=commands.cmd_train)
-
-    s = sub.add_parser("rl", help="reinforcement learning from unit tests (GRPO) on a chat model")
-    s.add_argument(
-        "--config",
-        type=preset_name,
-        help="preset name or .toml path (default: rl-cpu; with --resume: the checkpoint's config)",
-    )
-    s.add_argument("--out", default="runs/rl", help="run folder (default: runs/rl): new or empty, or this run's")
-    _add_set_flag(s, help="override an option (train.init_from=CHAT_CKPT starts the run; rl.*: see --help-config)")
-    s.add_argument(
-        "--resume",
-        metavar="auto|PATH",
-        help="continue --out from its newest intact checkpoint (auto; none yet: start) or from PATH",
-    )
-    s.set_defaults(func=commands.cmd_rl)
 
 
 def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
@@ -314,6 +301,9 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_speedrun)
 
+
+def _add_demo_command(sub) -> None:
+    """demo: the embedded default, and its chat stages."""
     s = sub.add_parser("demo", help="the embedded default: a code model on this Python's stdlib, on CPU")
     s.add_argument("--out", help="run folder (default: runs/demo; with --chat: runs/demo-chat)")
     s.add_argument(
@@ -340,6 +330,24 @@ def _add_run_commands(sub) -> None:
     _add_force_flag(s)
     _add_set_flag(s)
     s.set_defaults(func=commands.cmd_demo)
+
+
+def _add_rl_command(sub) -> None:
+    """rl: reinforcement learning from unit tests on a chat model."""
+    s = sub.add_parser("rl", help="reinforcement learning from unit tests (GRPO) on a chat model")
+    s.add_argument(
+        "--config",
+        type=preset_name,
+        help="preset name or .toml path (default: rl-cpu; with --resume: the checkpoint's config)",
+    )
+    s.add_argument("--out", default="runs/rl", help="run folder (default: runs/rl): new or empty, or this run's")
+    _add_set_flag(s, help="override an option (train.init_from=CHAT_CKPT starts the run; rl.*: see --help-config)")
+    s.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue --out from its newest intact checkpoint (auto; none yet: start) or from PATH",
+    )
+    s.set_defaults(func=commands.cmd_rl)
 
 
 def _add_serve_command(sub) -> None:

@@ -188,7 +188,8 @@ class RLConfig:
     scale: bool = True
     """Divide advantages by their group's standard deviation (GRPO); false keeps reward - mean (Dr. GRPO)."""
     kl: float = 0.0
-    """Weight of a KL term (k3 estimate) to the starting policy in the loss (0: none, and no reference copy kept)."""
+    """Weight of a KL term (k3 estimate) to the starting policy in the loss (0: none; the KL is logged either way,
+    from a frozen copy of the starting weights)."""
     updates: int = 1
     """Optimizer steps on each batch of replies; past the first, the probability ratio to the sampling policy is
     clipped (PPO)."""

@@ -15,9 +15,10 @@ from gptforge.rundir import CONFIG, finite, finite_number, format_duration, read
 
 def run_report(run_dir: str | Path) -> str:
     """Best val loss / perplexity / bpb (and each folder's of a mix), best HellaSwag, the last code measures, tokens,
-    wall time, mean tokens/s and MFU, and the config; also written to RUN_DIR/report.md."""
+    wall time, mean tokens/s and MFU, an RL run's reward and held-out pass@1, and the config; also written to
+    RUN_DIR/report.md."""
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    records = read_metrics(run_dir, ("train", "val", "hellaswag", "code", "rl", "tasks"))
     train, val, hs = records["train"], finite(records["val"], "loss"), finite(records["hellaswag"], "acc_norm_token")
     lines = [f"# Run `{printable(run_dir.resolve().name)}`", "", "| metric | value |", "| --- | --- |"]
     if train:
@@ -58,6 +59,7 @@ def run_report(run_dir: str | Path) -> str:
             )
         parsed = f"{_share(last, 'parse_rate')} of {last['functions']}" if "functions" in last else "n/a"
         lines.append(f"| code: sampled function bodies that parse | {parsed} |")
+    lines += _rl_lines(records["rl"], records["tasks"])
     config = run_dir / CONFIG
     if config.is_file():
         lines += ["", "## Config", "", "```toml", read_text(config).strip(), "```"]
@@ -67,6 +69,25 @@ def run_report(run_dir: str | Path) -> str:
     except GptforgeError as e:  # a read-only run folder still gets its report printed
         warnings.warn(f"report.md not written: {e}", stacklevel=2)
     return text
+
+
+def _rl_lines(steps: list[dict], held_out: list[dict]) -> list[str]:
+    """An RL run's rows: its steps, the last ten steps' reward and share solved, held-out pass@1 first and last."""
+    lines = []
+    if steps:
+        last = steps[-10:]
+        lines += [
+            f"| RL steps | {steps[-1]['step']:,} |",
+            f"| mean reward, share solved (last {len(last)} steps) | {_mean(last, 'reward'):.3f}, "
+            f"{_mean(last, 'pass_rate'):.3f} |",
+        ]
+    if held_out:
+        first, final = held_out[0], held_out[-1]
+        lines.append(
+            f"| held-out pass@1 ({final['tasks']} tasks) | {_share(first, 'pass@1')} at step {first['step']:,}, "
+            f"{_share(final, 'pass@1')} at step {final['step']:,} |"
+        )
+    return lines
 
 
 def _number(record: dict, key: str, digits: int = 4) -> str:

@@ -73,7 +73,8 @@ def policy_loss(
     kl_coef: float = 0.0,
 ) -> LossParts:
     """Sum over reply tokens of -min(ratio A, clip(ratio) A) (+ kl_coef * k3 KL to `ref_logp`), over `tokens`,
-    the reply tokens of the whole step (every rank's): each token weighs the same whatever its reply's length."""
+    the reply tokens of the whole step (every rank's): each token weighs the same whatever its reply's length. The
+    KL is measured whenever `ref_logp` is given, in the loss only with a kl_coef."""
     ratio = torch.exp(logp - old_logp)
     a = advantages[:, None]
     per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
@@ -81,7 +82,8 @@ def policy_loss(
     if ref_logp is not None:
         log_ratio = ref_logp - logp
         kl = torch.exp(log_ratio) - log_ratio - 1  # k3: an unbiased, never negative estimate of KL(pi || ref)
-        per_token = per_token + kl_coef * kl
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
     clipped = ((ratio - 1).abs() > clip).float()
     loss = (per_token * mask).sum() / tokens
     count = mask.sum().clamp(min=1)

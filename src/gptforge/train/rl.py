@@ -85,7 +85,7 @@ class _Run:
     env: distributed.DistEnv
     model: GPT
     tok: object
-    reference: GPT | None
+    reference: GPT
     optimizer: torch.optim.Optimizer
     dtype: torch.dtype
     tasks: Callable[[int], list[Task]]
@@ -166,7 +166,7 @@ def _build(cfg: Config, env: distributed.DistEnv, device: torch.device) -> _Run:
     model, tok, _, _ = load_checkpoint(cfg.train.init_from, device)
     if chat_template(tok) is None:
         raise GptforgeError(f"train.init_from={cfg.train.init_from}: a base model; rl starts from a chat model")
-    reference = copy.deepcopy(model).requires_grad_(False) if cfg.rl.kl else None  # the starting policy
+    reference = copy.deepcopy(model).requires_grad_(False)  # the starting policy: its KL is logged, in the loss or not
     dtype = resolve_dtype(cfg.train.dtype, device)
     optimizer = build_optimizer(model, cfg.optim, device.type, dtype=dtype)
     return _Run(cfg, env, model, tok, reference, optimizer, dtype, task_source(cfg))
@@ -244,10 +244,8 @@ def _accumulate(
         batch = reply_batch([r.prompt for r in part], [r.ids for r in part], device)
         with autocast(device, run.dtype):
             logp = token_logprobs(run.model, batch)
-            ref = None
-            if run.reference is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(run.reference, batch)
+            with torch.no_grad():
+                ref = token_logprobs(run.reference, batch)
         if len(olds) <= i:  # the first update: the weights are still the ones that sampled
             olds.append(logp.detach())
         parts = policy_loss(
