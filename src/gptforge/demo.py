@@ -30,7 +30,7 @@ from gptforge.data.report import summarize
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.eval.tasks import evaluate_tasks
+from gptforge.eval.tasks import BUILTIN, evaluate_tasks
 from gptforge.files import LOCK, atomic_write, is_empty_dir, named, replacing_dir, temp_dir_path, to_json, write_json
 from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
@@ -38,6 +38,7 @@ from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.report.plot import plot_runs
 from gptforge.report.rl_plot import plot_rl
 from gptforge.tasks.builtin import builtin_tasks
+from gptforge.tasks.read import read_tasks
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.train.rl import train_rl
 from gptforge.train.setup import check_model_overrides, model_overrides
@@ -204,7 +205,9 @@ def run_chat_demo(
     # The seed is the run's, both stages'; every other key but rl.* is the fine-tuning's.
     rl_settings = [o for o in overrides if o.startswith(("rl.", "train.seed="))]
     rl_settings += [] if rl_budget is None else [f"train.time_budget={rl_budget}"]
-    load_config(RL_PRESET, rl_settings)  # a bad rl.* value is said before any training
+    rl_tasks = load_config(RL_PRESET, rl_settings).rl.tasks  # a bad rl.* value is said before any training
+    if rl_budget != 0 and rl_tasks != BUILTIN:
+        read_tasks(rl_tasks, "rl.tasks")
     with training_in(out_dir) as run_dir:  # locked first: a demo running there is said before the conversations
         stages = {"base": held_out_tasks(base_checkpoint, "base")}
         prepare_function_conversations(data_dir, chat_data)

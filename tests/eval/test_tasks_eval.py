@@ -99,6 +99,12 @@ def test_a_bad_tasks_flag_is_refused_before_the_model_loads(tmp_path, chat_model
         evaluate_checkpoint("no-such-checkpoint", tasks=str(tmp_path / "missing"))
     with pytest.raises(GptforgeError, match="--k 5: pass@k"):
         evaluate_checkpoint("no-such-checkpoint", tasks="builtin", samples=2, ks=(5,))
+    with pytest.raises(GptforgeError, match="--tasks: empty"):
+        evaluate_checkpoint("no-such-checkpoint", tasks="")
+    rows = [{"request": "word " * 200, "entry_point": "f", "tests": ["assert f() == 1"]}]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(GptforgeError, match=r"--tasks .*long.jsonl: task .*long.jsonl:1: its request takes \d+ tokens, the context 128"):
+        evaluate_checkpoint(str(path), tasks=str(tmp_path / "long.jsonl"))
 
 
 def test_a_base_model_continues_the_request_as_comments_and_its_code_ends_at_top_level_code(tmp_path):

@@ -24,8 +24,10 @@ def write(tmp_path, *rows):
 
 
 def test_both_forms_read_and_humaneval_s_test_runs_its_check(tmp_path):
-    ours, named, humaneval = read_tasks(write(tmp_path, OURS, {**OURS, "family": "maths", "name": "n1"}, HUMANEVAL))
-    assert (ours.name, ours.family, ours.entry_point, ours.tests) == ("task/0", "file", "double", tuple(OURS["tests"]))
+    path = write(tmp_path, OURS, {**OURS, "family": "maths", "name": "n1"}, HUMANEVAL)
+    ours, named, humaneval = read_tasks(path)
+    expected = (f"{path}:1", "file", "double", tuple(OURS["tests"]))  # unnamed: named by where it is
+    assert (ours.name, ours.family, ours.entry_point, ours.tests) == expected
     assert (named.name, named.family) == ("n1", "maths")
     assert humaneval.name == "HumanEval/x" and humaneval.family == "humaneval" and "def inc(x):" in humaneval.request
     right, wrong = "def inc(x):\n    return x + 1\n", "def inc(x):\n    return x\n"
@@ -43,6 +45,7 @@ def test_both_forms_read_and_humaneval_s_test_runs_its_check(tmp_path):
         ({**OURS, "tests": ["assert 1", 5]}, "'tests\\[1\\]' must be non-empty text"),
         ({**OURS, "request": "  "}, "'request' must be non-empty text"),
         ({**OURS, "entry_point": "not a name"}, "entry_point 'not a name' is not a Python function name"),
+        ({**OURS, "entry_point": "def"}, "entry_point 'def' is not a Python function name"),
         ({**OURS, "request": "\ud800"}, "'request' is not valid UTF-8 text"),
         ({**HUMANEVAL, "test": None}, "'test' must be non-empty text"),
     ],

@@ -117,3 +117,50 @@ def test_replies_are_scored_in_order_and_an_unknown_reward_is_refused():
     assert REWARDS == ("pass", "share")
     with pytest.raises(ValueError, match="reward='tests'"):
         scores[0].reward("tests")
+
+
+ADD = Task("t/2", "add", "", "add", ("assert add(1, 2) == 3", "assert 4 == add(2, 2)", "assert add(-1, 1) == 0"), "")
+STEAL = """
+import os, sys
+def add(a, b):
+    for path in ('../said/stdout', '/proc/self/fd/1', '/dev/fd/1', 'stdout'):
+        try:
+            text = open(path, 'rb').read().decode()
+        except Exception:
+            continue
+        for line in text.splitlines():
+            if line.endswith((' fail', ' pass')) or ' value ' in line:
+                n = line.split()[0]
+                os.write(1, f"\\n{n} 0 value 3\\n{n} 1 value 4\\n{n} 2 value 0\\n{n} done\\n".encode())
+                os._exit(0)
+    return 0
+"""
+FRAMES = """
+import sys
+def add(a, b):
+    frame = sys._getframe()
+    while frame is not None:
+        for space in (frame.f_locals, frame.f_globals):
+            if 'same' in space:
+                space['same'] = lambda got, want: True
+        frame = frame.f_back
+    return 0
+"""
+
+
+STEAL_FD = STEAL.replace("('../said/stdout', '/proc/self/fd/1', '/dev/fd/1', 'stdout')", "('/proc/self/fd/1',)")
+
+
+@pytest.mark.parametrize(
+    "code", [STEAL, STEAL_FD, FRAMES], ids=["steals-the-nonce", "through-proc-fd", "patches-the-judge"]
+)
+def test_what_a_test_must_equal_never_reaches_the_reply_so_it_cannot_be_claimed(code):
+    score = score_reply(ADD, fenced(code))
+    assert score.passed <= 1 and not score.solved  # add returns 0: right for the third test alone
+
+
+def test_a_value_equal_to_everything_fails_a_literal_on_either_side_and_odd_bytes_are_no_traceback():
+    always = "class A:\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return A()\n"
+    assert score_reply(ADD, fenced(always)).passed == 0
+    odd = "import os\ndef add(a, b):\n    os.write(1, b'\\n0 \\xff\\xfe\\n')\n    return a + b\n"
+    assert score_reply(ADD, fenced(odd)).solved

@@ -149,6 +149,12 @@ def test_rl_needs_a_chat_model_to_start_from(tmp_path):
         train_rl(load_config("rl-cpu", [f"train.init_from={base}"]), tmp_path / "b")
     with pytest.raises(GptforgeError, match=r"rl.group=1 \(expected in \[2, 1024\]\)"):
         load_config("rl-cpu", ["rl.group=1"])
+    rows = [{"request": "word " * 200, "entry_point": "f", "tests": ["assert f() == 1"]}]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = [f"train.init_from={chat_checkpoint(tmp_path / 'chat', block_size=128)}", "rl.tasks_per_step=1"]
+    with pytest.raises(GptforgeError, match=r"rl.tasks .*long.jsonl: task .*long.jsonl:1: its request takes"):
+        train_rl(load_config("rl-cpu", [*settings, f"rl.tasks={tmp_path / 'long.jsonl'}"]), tmp_path / "c")
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()  # said before any evaluation or log
 
 
 def test_the_rl_command_trains_plots_and_a_second_run_into_the_folder_needs_resume(chat_ckpt, tmp_path, monkeypatch):

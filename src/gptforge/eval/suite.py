@@ -16,7 +16,7 @@ from gptforge.eval.harness import evaluate_lm_eval, format_lm_eval, task_manager
 from gptforge.eval.hellaswag import evaluate_hellaswag, format_hellaswag, read_examples
 from gptforge.eval.humaneval import check_ks, evaluate_humaneval, format_humaneval, read_problems
 from gptforge.eval.loss import evaluate_loss, format_loss
-from gptforge.eval.tasks import evaluate_tasks, format_tasks, load_tasks
+from gptforge.eval.tasks import check_fits, evaluate_tasks, format_tasks, load_tasks
 
 
 def evaluate_checkpoint(
@@ -49,6 +49,8 @@ def evaluate_checkpoint(
     it and `tasks`) defaults to 1 and 10, those up to `samples`. `max_tokens` (per loss evaluation) defaults to the
     run's `eval.tokens`: the tokens its training evaluations scored, so the same data gives the same loss.
     """
+    if tasks == "":
+        raise GptforgeError("--tasks: empty (expected builtin, or a JSONL file of tasks)")
     if code and not data:
         raise GptforgeError(f"--code {code}: needs --data (the held-out code it hides lines of)")
     if include_path and lm_eval is None:
@@ -71,6 +73,8 @@ def evaluate_checkpoint(
     run = load_for_inference(checkpoint, device_name, dtype)
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
     T, max_tokens = run.cfg.model.block_size, max_tokens or run.cfg.eval.tokens
+    if tasks:
+        check_fits(tok, task_list, T, f"--tasks {tasks}")
     result: dict[str, Any] = {"step": run.meta["step"]}
     if data:
         check_data_tokenizer(data_tokenizer(data), data, tok, f"checkpoint {checkpoint}")

@@ -53,6 +53,14 @@ def task_prompt(tok: Tokenizer, request: str) -> list[int]:
     return tok.encode("".join(f"# {line}\n" for line in request.splitlines()))
 
 
+def check_fits(tok: Tokenizer, tasks: list[Task], block: int, flag: str) -> None:
+    """Every task's prompt leaves the context room for a reply: one line naming the first that does not."""
+    for task in tasks:
+        size = len(task_prompt(tok, task.request))
+        if size >= block:
+            raise GptforgeError(f"{flag}: task {task.name}: its request takes {size:,} tokens, the context {block:,}")
+
+
 def draw_seed(*parts: object) -> int:
     """A generator seed from `parts` (e.g. the run's seed, a task's name, a sample's index): the same draws
     whatever else is sampled beside them."""
@@ -78,10 +86,9 @@ def sample_replies(
     code after its function (HumanEval's stop sequences)."""
     device, block = next(model.parameters()).device, model.config.block_size
     ends, prompts, seqs = frozenset(end_ids(tok)), [], []
+    check_fits(tok, tasks, block, "tasks")
     for index, task in enumerate(tasks):
         prompt = task_prompt(tok, task.request)
-        if len(prompt) >= block:
-            raise GptforgeError(f"task {task.name}: its request takes {len(prompt)} tokens, the context {block}")
         prompts.append(prompt)
         budget = min(max_new_tokens, block - len(prompt) + 1)  # a reply ends where the context does
         for j in range(n):

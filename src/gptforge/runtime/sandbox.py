@@ -10,6 +10,7 @@ against model-written code that wanders, not a jail for an adversary.
 
 import ctypes
 import os
+import re
 import resource
 import sys
 from collections.abc import Callable
@@ -66,6 +67,8 @@ PATH_ARGS = {
 }
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 UNKNOWN_DIR = object()  # os.open's "open" event leaves out its dir_fd
+FD_PATH = re.compile(r"/(proc/[^/]+|dev)/fd(/|$)")  # another way into an open file: a pipe or file of the parent's
+HIDDEN = "GPTFORGE_SANDBOX_HIDDEN"  # environment: a folder the program may not open anything in
 # Starts the stderr line of each refusal, written before it is raised: code that catches it is still known.
 REFUSAL_MARK = "gptforge-sandbox refused:"
 
@@ -101,8 +104,10 @@ def _where(home: str, path: Any, dir_fd: Any) -> str | None:
     return os.path.normpath(path)
 
 
-def audit_hook(home: str) -> Callable[[str, tuple[Any, ...]], None]:
-    """The hook that raises PermissionError for what REFUSED, UNAUDITED_MODULES and the path checks forbid."""
+def audit_hook(home: str, hidden: str | None = None) -> Callable[[str, tuple[Any, ...]], None]:
+    """The hook that raises PermissionError for what REFUSED, UNAUDITED_MODULES and the path checks forbid; with
+    `hidden`, no file under that folder opens at all, nor any open file through /proc/*/fd or /dev/fd (the
+    parent's record of what the program said, which only the parent reads)."""
 
     def inside(path: Any, dir_fd: Any = None, or_home: bool = False) -> bool:
         where = _where(home, path, dir_fd)
@@ -117,6 +122,10 @@ def audit_hook(home: str) -> Callable[[str, tuple[Any, ...]], None]:
             refuse(f"{event} is not allowed in the sandbox")
         if event == "import" and args[0] in UNAUDITED_MODULES:
             refuse(f"importing {args[0]} is not allowed in the sandbox")
+        if event == "open" and hidden is not None:
+            where = _where(home, args[0], None)  # os.open's dir_fd is unknown: read as the working folder's
+            if where is None or where == hidden or where.startswith(hidden + "/") or FD_PATH.match(where):
+                refuse(f"opening {args[0]!r}: not readable in the sandbox")
         if event == "open":
             path, mode, flags = args
             writes = (isinstance(flags, int) and flags & WRITE_FLAGS) or (
@@ -139,7 +148,8 @@ def main() -> None:
     with open(program, encoding="utf-8") as f:
         code = compile(f.read(), program, "exec")
     limit(memory_bytes, cpu_seconds)
-    sys.addaudithook(audit_hook(os.path.realpath(os.getcwd())))
+    hidden = os.environ.get(HIDDEN)
+    sys.addaudithook(audit_hook(os.path.realpath(os.getcwd()), os.path.realpath(hidden) if hidden else None))
     # No audit event guards these; removed from both names they go by.
     for name in ("mkfifo", "mknod", "chroot"):
         for module in (os, sys.modules["posix"]):

@@ -1,55 +1,30 @@
-"""The child side of scoring one reply, run as the sandbox's program (runtime/sandbox.py) in a throwaway
-folder holding task.json: read the run's nonce from stdin, run the reply's code as a module, then each test, and
-report each result on a copy of stdout as "NONCE index pass|fail|memory", then "NONCE done".
+"""The child side of scoring one reply, run as the sandbox's program (runtime/sandbox.py) in a throwaway folder
+holding task.json: read the run's nonce from stdin, run the reply's code as a module, then each test, and report
+on a copy of stdout, each line "NONCE index ...", then "NONCE done".
 
-Only lines that carry the nonce count, so a reply that prints "passed" or exits early gains nothing. A test of
-the form `assert CALL == LITERAL` is judged here by exact types, so a value whose `__eq__` always answers True
-gains nothing either; other tests (HumanEval's `check`) pass when they raise nothing.
+An `assert CALL == LITERAL` test arrives as its call alone: its value is reported ("value REPR", builtin types
+only) and judged by the parent, so what it must equal never enters this process and no reply can claim it. Other
+tests (HumanEval's `check`) run here and report "pass" when they raise nothing; only lines that carry the nonce
+count, so printing "passed" or exiting early gains nothing.
 """
 
-import ast
 import json
 import os
 import sys
 
-# Saved before the reply runs: it may rebind any builtin it likes in its own module, not these.
-SCALARS = (int, float, complex, str, bytes, bool, type(None))
-_type, _len, _zip, _all, _isinstance = type, len, zip, all, isinstance
-_compile, _eval, _exec, _write = compile, eval, exec, os.write
+PLAIN = (int, float, complex, str, bytes, bool, type(None))
+# Saved before the reply runs: it may rebind any builtin it likes, not these.
+_type, _all, _repr, _compile, _eval, _exec, _write = type, all, repr, compile, eval, exec, os.write
 
 
-def same(got: object, want: object) -> bool:
-    """`got == want` for the builtin values a literal can hold, with the types exact at every level."""
-    kind = _type(want)
-    if _type(got) is not kind:
-        return False
-    if kind in (list, tuple):
-        return _len(got) == _len(want) and _all(same(g, w) for g, w in _zip(got, want))
-    if kind is dict:
-        if not _all(_type(k) in SCALARS for k in got) or _len(got) != _len(want):
-            return False
-        return _all(k in got and same(got[k], v) for k, v in want.items())
-    if kind in (set, frozenset):
-        return _all(_type(k) in SCALARS for k in got) and got == want
-    return kind in SCALARS and got == want
-
-
-def compare(test: str) -> tuple[str, object] | None:
-    """(the call's source, the literal it must equal) for `assert CALL == LITERAL`; None for any other test."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError):
-        return None
-    if _len(tree.body) != 1 or not _isinstance(tree.body[0], ast.Assert):
-        return None
-    check = tree.body[0].test
-    if not _isinstance(check, ast.Compare) or check.ops[0].__class__ is not ast.Eq or _len(check.ops) != 1:
-        return None
-    try:
-        want = ast.literal_eval(check.comparators[0])
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return None
-    return ast.unparse(check.left), want
+def plain(value: object) -> bool:
+    """Builtin scalars and containers of them, the types exact at every level: what a literal can hold."""
+    kind = _type(value)
+    if kind in PLAIN:
+        return True
+    if kind in (list, tuple, set, frozenset):
+        return _all(plain(v) for v in value)
+    return kind is dict and _all(plain(k) and plain(v) for k, v in value.items())
 
 
 def main() -> None:
@@ -59,10 +34,9 @@ def main() -> None:
         task = json.load(f)
     os.remove("task.json")
     report = os.dup(1)
-    tests = [(test, compare(test)) for test in task["tests"]]
 
     def say(what: str) -> None:
-        _write(report, f"\n{nonce} {what}\n".encode())  # on a line of its own after what the reply printed
+        _write(report, f"\n{nonce} {what}\n".encode(errors="backslashreplace"))  # a line of its own
 
     module = {"__name__": "reply", "__builtins__": __builtins__}
     try:
@@ -73,19 +47,24 @@ def main() -> None:
     except BaseException:  # noqa: BLE001 (SystemExit included: the reply's module failed, every test with it)
         say("done")
         return
-    for index, (test, parts) in enumerate(tests):
+    for index, call in task["calls"]:
         try:
-            if parts is None:
-                _exec(_compile(test, f"test{index}", "exec"), module)
-                passed = True
-            else:
-                passed = same(_eval(_compile(parts[0], f"test{index}", "eval"), module), parts[1])
+            value = _eval(_compile(call, f"test{index}", "eval"), module)
+            say(f"{index} value {_repr(value)}" if plain(value) else f"{index} fail")
         except MemoryError:
             say("memory")
             return
         except BaseException:  # noqa: BLE001 (a test that raises, SystemExit included, fails)
-            passed = False
-        say(f"{index} {'pass' if passed else 'fail'}")
+            say(f"{index} fail")
+    for index, statement in task["statements"]:
+        try:
+            _exec(_compile(statement, f"test{index}", "exec"), module)
+            say(f"{index} pass")
+        except MemoryError:
+            say("memory")
+            return
+        except BaseException:  # noqa: BLE001
+            say(f"{index} fail")
     say("done")
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import keyword
 import re
 from pathlib import Path
 from typing import Any
@@ -17,18 +18,18 @@ IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 def read_tasks(path: str | Path, flag: str = "--tasks") -> list[Task]:
     """Every task of the file, in order; an empty file is refused."""
     require_regular_file(path, flag)
-    tasks = [_task(row, where, index) for index, (where, row) in enumerate(read_jsonl(path))]
+    tasks = [_task(row, where) for where, row in read_jsonl(path)]
     if not tasks:
         raise GptforgeError(f"{flag} {path}: no tasks (expected JSON lines with request, entry_point and tests)")
     return tasks
 
 
-def _task(row: Any, where: str, index: int) -> Task:
+def _task(row: Any, where: str) -> Task:
     if isinstance(row, dict) and {"prompt", "test", "entry_point"} <= row.keys():  # HumanEval's form
         _check_texts(row, ("prompt", "test", "entry_point"), where)
         entry = _entry_point(row["entry_point"], where)
         request = f"Write the complete Python function `{entry}`:\n\n{row['prompt'].rstrip()}\n"
-        name = row.get("task_id") if isinstance(row.get("task_id"), str) else f"task/{index}"
+        name = row.get("task_id") if isinstance(row.get("task_id"), str) else where
         return Task(name, "humaneval", request, entry, (f"{row['test']}\ncheck({entry})",), "")
     expected = f"{where}: expected a task: request text, entry_point a function name, tests a list of texts"
     if not isinstance(row, dict) or not {"request", "entry_point", "tests"} <= row.keys():
@@ -39,7 +40,7 @@ def _task(row: Any, where: str, index: int) -> Task:
     _check_texts(row, ("request", "entry_point"), where)
     _check_texts({f"tests[{i}]": t for i, t in enumerate(tests)}, [f"tests[{i}]" for i in range(len(tests))], where)
     family = row.get("family") if isinstance(row.get("family"), str) else "file"
-    name = row.get("name") if isinstance(row.get("name"), str) else f"task/{index}"
+    name = row.get("name") if isinstance(row.get("name"), str) else where
     return Task(name, family, row["request"], _entry_point(row["entry_point"], where), tuple(tests), "")
 
 
@@ -54,6 +55,6 @@ def _check_texts(row: dict, keys: Any, where: str) -> None:
 
 
 def _entry_point(name: str, where: str) -> str:
-    if not IDENTIFIER.fullmatch(name):
+    if not IDENTIFIER.fullmatch(name) or keyword.iskeyword(name):
         raise GptforgeError(f"{where}: entry_point {name!r:.40} is not a Python function name")
     return name

@@ -1,9 +1,12 @@
 """A reply's score on its task: its answer's code runs against the task's tests in the sandbox, one process per
 reply (time, memory and file-size limits, no network, no processes, no writes outside a throwaway folder), and
-only the harness's nonce-marked lines count. What the sandbox refuses, a timeout or a memory blow-up scores 0."""
+only the harness's nonce-marked lines count. An `assert CALL == LITERAL` test (either side) is judged here: the
+reply's process gets the call alone and reports the value, compared with exact types at every level. What the
+sandbox refuses, a timeout or a memory blow-up scores 0."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import secrets
@@ -14,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptforge.runtime.sandbox import REFUSAL_MARK
+from gptforge.runtime.sandbox import HIDDEN, REFUSAL_MARK
 from gptforge.tasks.builtin import Task
 from gptforge.tasks.reply import answer
 
@@ -55,16 +58,24 @@ def score_reply(task: Task, reply: str, timeout: float = 5.0, memory_bytes: int 
     if not found.parses or not found.defines:
         why = "does not parse" if not found.parses else f"defines no {task.entry_point}"
         return Score(found.parses, found.defines, 0, tests, True, why)
+    judged = [compare(test) for test in task.tests]
+    calls = [[i, parts[0]] for i, parts in enumerate(judged) if parts is not None]
+    statements = [[i, test] for i, (test, parts) in enumerate(zip(task.tests, judged, strict=True)) if parts is None]
     with tempfile.TemporaryDirectory(prefix="gptforge-task-") as tmp:
-        Path(tmp, "task.json").write_text(json.dumps({"code": found.code, "tests": list(task.tests)}), "utf-8")
+        # Its output lands beside its folder, in one it may not open.
+        work, said_dir = Path(tmp, "work"), Path(tmp, "said")
+        out, err = said_dir / "stdout", said_dir / "stderr"
+        work.mkdir()
+        said_dir.mkdir()
+        code = {"code": found.code, "calls": calls, "statements": statements}
+        Path(work, "task.json").write_text(json.dumps(code), "utf-8")
         nonce = secrets.token_hex(16)
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         limits = [str(memory_bytes), str(int(timeout) + 1)]  # CPU seconds: a backstop behind the wall clock
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp}
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(work), "TMPDIR": str(work), HIDDEN: str(said_dir)}
         with out.open("wb") as stdout, err.open("wb") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", str(SANDBOX), str(HARNESS), *limits],
-                cwd=tmp,
+                cwd=work,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=stdout,
@@ -77,15 +88,60 @@ def score_reply(task: Task, reply: str, timeout: float = 5.0, memory_bytes: int 
                 os.killpg(proc.pid, 9)  # its whole session: nothing it started outlives it
                 proc.wait()
                 return Score(True, True, 0, tests, False, "timed out")
-        lines = _marked(out, nonce)
+        said = _marked(out, nonce)
         refused = _refusal(err)
     if refused:
         return Score(True, True, 0, tests, False, refused)
-    if "memory" in lines or "done" not in lines:
-        why = "out of memory" if "memory" in lines else f"ended early (exit code {proc.returncode})"
+    if "memory" in said or "done" not in said:
+        why = "out of memory" if "memory" in said else f"ended early (exit code {proc.returncode})"
         return Score(True, True, 0, tests, False, why)
-    passed = sum(f"{i} pass" in lines for i in range(tests))
+    passed = sum(_passed(said.get(str(i), ""), parts) for i, parts in enumerate(judged))
     return Score(True, True, passed, tests, True, "" if passed == tests else f"{tests - passed} of {tests} failed")
+
+
+def compare(test: str) -> tuple[str, object] | None:
+    """(the call's source, the literal it must equal) for `assert CALL == LITERAL` or `assert LITERAL == CALL`;
+    None for any other test."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    check = tree.body[0].test
+    if not isinstance(check, ast.Compare) or len(check.ops) != 1 or not isinstance(check.ops[0], ast.Eq):
+        return None
+    for call, literal in ((check.left, check.comparators[0]), (check.comparators[0], check.left)):
+        try:
+            return ast.unparse(call), ast.literal_eval(literal)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+    return None
+
+
+def same(got: object, want: object) -> bool:
+    """`got == want` for the builtin values a literal can hold, the types exact at every level."""
+    kind = type(want)
+    if type(got) is not kind:
+        return False
+    if kind in (list, tuple):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+    if kind is dict:
+        return got.keys() == want.keys() and all(same(got[k], v) for k, v in want.items())
+    return got == want  # scalars, sets: builtin values alone, as they came from literal_eval
+
+
+def _passed(line: str, parts: tuple[str, object] | None) -> bool:
+    """Whether the harness's first line about a test says it passed: "pass", or a value equal to the literal."""
+    if parts is None:
+        return line == "pass"
+    if not line.startswith("value "):
+        return False
+    try:
+        got = ast.literal_eval(line.removeprefix("value "))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return same(got, parts[1])
 
 
 def score_replies(
@@ -96,11 +152,16 @@ def score_replies(
         return list(pool.map(lambda pair: score_reply(*pair, timeout=timeout), zip(tasks, replies, strict=True)))
 
 
-def _marked(path: Path, nonce: str) -> set[str]:
-    """What the harness said: the lines that start with the nonce, without it."""
-    prefix = f"{nonce} ".encode()
+def _marked(path: Path, nonce: str) -> dict[str, str]:
+    """What the harness said: "done" and "memory" as themselves, each test's first line by its index."""
+    prefix, said = f"{nonce} ".encode(), {}
     with path.open("rb") as f:
-        return {line[len(prefix) :].decode().strip() for line in f if line.startswith(prefix)}
+        for line in f:
+            if line.startswith(prefix):
+                what = line[len(prefix) :].decode(errors="replace").strip()
+                key, _, rest = what.partition(" ")
+                said.setdefault(key, rest if rest else key)
+    return said
 
 
 def _refusal(path: Path) -> str:

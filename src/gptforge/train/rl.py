@@ -31,7 +31,7 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import Config, config_from_dict, to_dict, to_toml
 from gptforge.errors import GptforgeError
-from gptforge.eval.tasks import BUILTIN, Reply, evaluate_tasks, sample_replies
+from gptforge.eval.tasks import BUILTIN, Reply, check_fits, evaluate_tasks, sample_replies
 from gptforge.files import atomic_write
 from gptforge.model.gpt import GPT
 from gptforge.model.sampling import Sampling
@@ -169,16 +169,19 @@ def _build(cfg: Config, env: distributed.DistEnv, device: torch.device) -> _Run:
     reference = copy.deepcopy(model).requires_grad_(False)  # the starting policy: its KL is logged, in the loss or not
     dtype = resolve_dtype(cfg.train.dtype, device)
     optimizer = build_optimizer(model, cfg.optim, device.type, dtype=dtype)
-    return _Run(cfg, env, model, tok, reference, optimizer, dtype, task_source(cfg))
+    tasks = None if cfg.rl.tasks == BUILTIN else read_tasks(cfg.rl.tasks, "rl.tasks")
+    if tasks is not None:  # before any evaluation or step: a request past the context is said at once
+        check_fits(tok, tasks, cfg.model.block_size, f"rl.tasks {cfg.rl.tasks}")
+    return _Run(cfg, env, model, tok, reference, optimizer, dtype, task_source(cfg, tasks))
 
 
-def task_source(cfg: Config) -> Callable[[int], list[Task]]:
-    """The tasks of each step: fresh built-in training tasks, or the next ones of the file in a seeded order, a new
-    order each pass; a function of the step alone, so a resumed run draws the same."""
+def task_source(cfg: Config, tasks: list[Task] | None = None) -> Callable[[int], list[Task]]:
+    """The tasks of each step: fresh built-in training tasks, or the next ones of `tasks` (rl.tasks' file) in a
+    seeded order, a new order each pass; a function of the step alone, so a resumed run draws the same."""
     count, seed = cfg.rl.tasks_per_step, cfg.train.seed
     if cfg.rl.tasks == BUILTIN:
         return lambda step: builtin_tasks("train", count, seed=f"{seed}/{step}")
-    tasks = read_tasks(cfg.rl.tasks, "rl.tasks")
+    tasks = tasks if tasks is not None else read_tasks(cfg.rl.tasks, "rl.tasks")
 
     def at(step: int) -> list[Task]:
         out = []
