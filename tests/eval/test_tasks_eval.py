@@ -103,7 +103,8 @@ def test_a_bad_tasks_flag_is_refused_before_the_model_loads(tmp_path, chat_model
         evaluate_checkpoint("no-such-checkpoint", tasks="")
     rows = [{"request": "word " * 200, "entry_point": "f", "tests": ["assert f() == 1"]}]
     (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(GptforgeError, match=r"--tasks .*long.jsonl: task .*long.jsonl:1: its request takes \d+ tokens, the context 128"):
+    says = r"--tasks .*long.jsonl: task .*long.jsonl:1: its request takes \d+ tokens, the context 128"
+    with pytest.raises(GptforgeError, match=says):
         evaluate_checkpoint(str(path), tasks=str(tmp_path / "long.jsonl"))
 
 
