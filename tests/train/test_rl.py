@@ -171,3 +171,6 @@ def test_the_rl_command_trains_plots_and_a_second_run_into_the_folder_needs_resu
     assert main([*args, "--set", "train.max_steps=3", "--resume", "auto"]) == 0
     assert latest_checkpoint(out).name == "step_000003"
     assert [r["step"] for r in read_metrics(out, ("rl",))["rl"]] == [1, 2, 3]
+    log = (out / "metrics.jsonl").read_text()
+    assert main([*args, "--set", "train.max_steps=3", "--resume", "auto"]) == 0  # complete: nothing changes
+    assert (out / "metrics.jsonl").read_text() == log and latest_checkpoint(out).name == "step_000003"

@@ -114,6 +114,9 @@ def _train_rl(cfg, run_dir: Path, resume, env, device, stop: StopSignal, cleanup
     if resume_from:
         meta = restore_training_state(resume_from, run.model, run.optimizer, device, env)
         step, spent = meta["step"], meta.get("seconds", 0.0)
+        if step >= cfg.train.max_steps:  # a retried job: its log and checkpoints stay as they are
+            distributed.print0(env, f"{run_dir}: complete at step {step}; nothing to train (raise train.max_steps)")
+            return RLResult(run_dir, resume_from, step, None, None)
     metrics = cleanup.enter_context(_open_metrics(cfg, run_dir, env, step, resume_from))
     print0 = lambda text: distributed.print0(env, text)  # noqa: E731
     print0(f"rl from {cfg.train.init_from}: {cfg.rl.tasks_per_step} tasks x {cfg.rl.group} replies a step, "
