@@ -341,7 +341,9 @@ def _add_rl_command(sub) -> None:
         help="preset name or .toml path (default: rl-cpu; with --resume: the checkpoint's config)",
     )
     s.add_argument("--out", default="runs/rl", help="run folder (default: runs/rl): new or empty, or this run's")
-    _add_set_flag(s, help="override an option (train.init_from=CHAT_CKPT starts the run; rl.*: see --help-config)")
+    _add_set_flag(
+        s, help="override an option (train.init_from=CHAT_CKPT starts the run; every key: gptforge train --help-config)"
+    )
     s.add_argument(
         "--resume",
         metavar="auto|PATH",
