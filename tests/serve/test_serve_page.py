@@ -99,6 +99,15 @@ def test_the_page_shows_both_runs_curves_and_updates_them_as_training_logs(page,
     assert "alpha prefix only, 1 line" in legend and "alpha bodies that parse" in legend
     assert "infill" not in legend  # trained without FIM: no infilling curves
 
+    assert page.locator("#figure-rl").is_hidden()  # no RL yet
+    step = {"kind": "rl", "step": 6, "time": 10.0, "reward": 0.5, "pass_rate": 0.25, "reply_tokens": 20.0, "kl": 0.0}
+    held_out = {"kind": "tasks", "step": 6, "time": 10.5, "pass@1": 0.3, "tasks": 70, "parses": 0.9}
+    with open(runs / "alpha" / "metrics.jsonl", "a") as f:  # what `gptforge rl` logs
+        f.write(json.dumps(step) + "\n" + json.dumps(held_out) + "\n")
+    page.wait_for_selector("#chart-rl .u-legend", timeout=WAIT_MS)
+    legend = page.inner_text("#chart-rl .u-legend")
+    assert "alpha reward" in legend and "alpha held-out pass@1" in legend
+
 
 def test_a_typed_prompt_streams_a_completion_from_the_newest_checkpoint(page, server, runs):
     checkpoints = runs / "alpha" / "checkpoints"

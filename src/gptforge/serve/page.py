@@ -25,6 +25,8 @@ CURVES = {
     "train": ("loss", "lr", "tokens_per_s"),
     "val": ("loss", "bpb"),
     "code": ("infill_exact", "prefix_exact", "span_infill_exact", "span_prefix_exact", "parse_rate"),
+    "rl": ("reward", "pass_rate", "reply_tokens", "kl"),
+    "tasks": ("pass@1",),
 }
 SHOWN_SAMPLES = 4
 

@@ -48,6 +48,14 @@ const PANELS = {
     format: (v) => (100 * v).toFixed(0) + "%",
     optional: "code", // drawn when a run has code measures (eval.code)
   },
+  rl: {
+    kinds: [
+      ["rl", "reward", "reward", null], ["rl", "pass_rate", "solved (training tasks)", [6, 4]],
+      ["tasks", "pass@1", "held-out pass@1", null],
+    ],
+    format: (v) => (100 * v).toFixed(0) + "%",
+    optional: "rl", // drawn for a run of `gptforge rl`
+  },
 };
 
 // A run on a mix logs each folder's val numbers as "loss/NAME", "bpb/NAME": one dotted curve each.
@@ -65,7 +73,7 @@ function panelData(panel, runs) {
       const cols = m && m[kind];
       if (!cols || !cols.step || !cols.step.length || !cols[key] || cols[key].every((v) => v == null)) continue;
       tables.push([cols.step, cols[key]]);
-      const val = kind !== "train"; // evaluations: points, thicker
+      const val = kind !== "train" && kind !== "rl"; // evaluations: points, thicker
       const dashed = kind === "val" && panel.kinds.length > 1;
       series.push({
         label: `${run.id} ${label}`, stroke: COLORS[i % COLORS.length], width: val ? 2 : 1.25, spanGaps: true,
