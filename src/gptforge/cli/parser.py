@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-
 from gptforge import __version__, commands
+from gptforge.cli.flags import (
+    add_compute_flags,
+    add_force_flag,
+    add_set_flag,
+)
+from gptforge.cli.serve_parser import add_serve_command
 from gptforge.cli.types import (
     Parser,
-    api_key,
     at_least,
-    cors_origin,
     file_name,
-    host_allowed,
     positive_ints,
     preset_name,
     probability,
@@ -20,16 +20,6 @@ from gptforge.cli.types import (
     utf8_text,
 )
 from gptforge.hub import EXPORT_FORMATS, GGUF_FILE_TYPES
-from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
-from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
-
-DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
-DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
-THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
-FORCE_HELP = (
-    "replace a non-empty --out folder or file (the old one is removed only once the new one is complete); a gptforge "
-    "run or checkpoint is never replaced"
-)
 
 
 def build_parser() -> Parser:
@@ -42,7 +32,7 @@ def build_parser() -> Parser:
     _add_run_commands(sub)
     _add_rl_command(sub)
     _add_demo_command(sub)
-    _add_serve_command(sub)
+    add_serve_command(sub)
     return p
 
 
@@ -139,7 +129,7 @@ def _add_data_commands(sub) -> None:
         default="runs/train",
         help="run folder (default: runs/train): new or empty, or this run's with --resume",
     )
-    _add_set_flag(s)
+    add_set_flag(s)
     s.add_argument(
         "--resume",
         metavar="auto|PATH",
@@ -147,20 +137,6 @@ def _add_data_commands(sub) -> None:
     )
     s.add_argument("--help-config", action="store_true", help="list every option with its default and meaning")
     s.set_defaults(func=commands.cmd_train)
-
-
-def _add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
-    s.add_argument("--device", default="auto")
-    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    s.add_argument("--threads", type=at_least(1, high=MAX_THREADS), help=threads_help)
-
-
-def _add_set_flag(s: argparse.ArgumentParser, help: str = "override an option") -> None:
-    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
-
-
-def _add_force_flag(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--force", action="store_true", help=FORCE_HELP)
 
 
 def _add_checkpoint_commands(sub) -> None:
@@ -212,7 +188,7 @@ def _add_checkpoint_commands(sub) -> None:
     )
     s.add_argument("--tokens", type=at_least(1), help="tokens per loss evaluation (default: the run's eval.tokens)")
     s.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per batch (default 8)")
-    _add_compute_flags(s)
+    add_compute_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_eval)
 
@@ -233,13 +209,13 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--push", metavar="REMOTE", help="commit the folder to this git repository (e.g. a HF model repo)")
     s.add_argument("--branch", help="branch to push to (default: the run folder's name)")
     s.add_argument("--message", help="commit message (default: 'step N')")
-    _add_force_flag(s)
+    add_force_flag(s)
     s.set_defaults(func=commands.cmd_export)
 
     s = sub.add_parser("import", help="turn a Hugging Face GPT-2/Llama/Qwen3/Arcee folder into a gptforge checkpoint")
     s.add_argument("hf_dir", help="folder with config.json and model.safetensors or pytorch_model.bin")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
-    _add_force_flag(s)
+    add_force_flag(s)
     s.set_defaults(func=commands.cmd_import)
 
 
@@ -254,7 +230,7 @@ def _add_run_commands(sub) -> None:
     s.add_argument(
         "--config", type=preset_name, default="demo-cpu", help="preset name or .toml path (default: demo-cpu)"
     )
-    _add_set_flag(s)
+    add_set_flag(s)
     s.add_argument("--steps", type=at_least(1), default=10, help="timed optimizer steps (median reported; default 10)")
     s.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps first (and compilation; default 3)")
     s.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
@@ -267,7 +243,7 @@ def _add_run_commands(sub) -> None:
     s.add_argument(
         "--config", type=preset_name, default="gpt2-124m", help="preset name or .toml path (default: gpt2-124m)"
     )
-    _add_set_flag(s)
+    add_set_flag(s)
     s.add_argument("--gpus", type=at_least(1), default=1, help="GPUs per node (default 1)")
     s.add_argument("--nodes", type=at_least(1), default=1, help="nodes (default 1)")
     s.add_argument("--gpu-memory", type=at_least(1.0, float), default=80.0, help="GiB per GPU (default 80)")
@@ -296,8 +272,8 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--out", default="runs/speedrun", help="folder for the runs, plot and JSON (default: runs/speedrun)")
     s.add_argument("--gpt2-config", default="demo-cpu", help="the baseline recipe's preset (default: demo-cpu)")
     s.add_argument("--modern-config", default="modern-cpu", help="the modern recipe's preset (default: modern-cpu)")
-    _add_set_flag(s, "override, both recipes")
-    _add_force_flag(s)
+    add_set_flag(s, "override, both recipes")
+    add_force_flag(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=commands.cmd_speedrun)
 
@@ -327,8 +303,8 @@ def _add_demo_command(sub) -> None:
         help="with --chat: seconds of RL from unit tests after the fine-tuning, into OUT-rl (default: rl-cpu's 300; "
         "0: none)",
     )
-    _add_force_flag(s)
-    _add_set_flag(s)
+    add_force_flag(s)
+    add_set_flag(s)
     s.set_defaults(func=commands.cmd_demo)
 
 
@@ -341,7 +317,7 @@ def _add_rl_command(sub) -> None:
         help="preset name or .toml path (default: rl-cpu; with --resume: the checkpoint's config)",
     )
     s.add_argument("--out", default="runs/rl", help="run folder (default: runs/rl): new or empty, or this run's")
-    _add_set_flag(
+    add_set_flag(
         s, help="override an option (train.init_from=CHAT_CKPT starts the run; every key: gptforge train --help-config)"
     )
     s.add_argument(
@@ -350,57 +326,6 @@ def _add_rl_command(sub) -> None:
         help="continue --out from its newest intact checkpoint (auto; none yet: start) or from PATH",
     )
     s.set_defaults(func=commands.cmd_rl)
-
-
-def _add_serve_command(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible completions API + a web page with live curves (.[serve])")
-    s.add_argument("path", metavar="PATH", help="a run folder, a checkpoint or a folder of runs")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
-    s.add_argument("--port", type=at_least(0), default=8000, help="TCP port (default 8000; 0 = any free port)")
-    s.add_argument(
-        "--api-key",
-        type=api_key,
-        default=os.environ.get("GPTFORGE_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1, /api and /infill (default: $GPTFORGE_API_KEY, unseen by ps)",
-    )
-    s.add_argument("--max-tokens", type=at_least(1), default=1024, help="largest max_tokens a request may ask")
-    s.add_argument(
-        "--max-n", type=at_least(1, high=MAX_CHOICES), default=8, help="largest n (completions per prompt; default 8)"
-    )
-    s.add_argument(
-        "--parallel",
-        type=at_least(1, high=MAX_PARALLEL),
-        default=8,
-        help="completions generated together, a token a step for each (continuous batching; default 8)",
-    )
-    s.add_argument("--queue", type=at_least(0), default=8, help="requests waiting beyond --parallel; more: 429")
-    s.add_argument(
-        "--request-timeout", type=at_least(1.0, float), default=120.0, help="seconds a request may take (default 120)"
-    )
-    s.add_argument(
-        "--read-timeout",
-        type=at_least(0.1, float),
-        default=30.0,
-        help="seconds to send a request's head, then its body; a stalled one is cut off (default 30)",
-    )
-    s.add_argument(
-        "--cors",
-        action="append",
-        type=cors_origin,
-        default=[],
-        metavar="ORIGIN",
-        help="allow browser calls from ORIGIN",
-    )
-    s.add_argument(
-        "--allow-host",
-        action="append",
-        type=host_allowed,
-        default=[],
-        metavar="NAME",
-        help="answer requests whose Host is NAME too ('*': any); by default only the --host address's names",
-    )
-    _add_compute_flags(s, threads_help=f"{THREADS_HELP}; 1 beside a CPU training run")
-    s.set_defaults(func=commands.cmd_serve)
 
 
 def _add_generation_commands(sub) -> None:
@@ -422,7 +347,7 @@ def _add_generation_commands(sub) -> None:
     s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--chat", action="store_true", help="each prompt is a user's message: print the model's reply")
-    _add_compute_flags(s)
+    add_compute_flags(s)
     s.set_defaults(func=commands.cmd_sample)
 
     s = sub.add_parser("chat", help="talk with a fine-tuned chat model in the terminal")
@@ -433,5 +358,5 @@ def _add_generation_commands(sub) -> None:
     s.add_argument("--top-k", type=at_least(0), default=50, help="0 = no top-k")
     s.add_argument("--top-p", type=probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
     s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
-    _add_compute_flags(s)
+    add_compute_flags(s)
     s.set_defaults(func=commands.cmd_chat)

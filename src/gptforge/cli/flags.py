@@ -1,0 +1,30 @@
+"""Flags several commands share: compute (device, dtype, threads), --set and --force."""
+
+from __future__ import annotations
+
+import argparse
+
+from gptforge.cli.types import at_least
+from gptforge.runtime import DTYPE_NAMES, MAX_THREADS
+
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+DTYPE_HELP = "compute precision (default auto: the checkpoint's training dtype; an import's own precision)"
+THREADS_HELP = "CPU threads (default: torch's, one per core; fewer can be faster on a busy machine)"
+FORCE_HELP = (
+    "replace a non-empty --out folder or file (the old one is removed only once the new one is complete); a gptforge "
+    "run or checkpoint is never replaced"
+)
+
+
+def add_compute_flags(s: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    s.add_argument("--threads", type=at_least(1, high=MAX_THREADS), help=threads_help)
+
+
+def add_set_flag(s: argparse.ArgumentParser, help: str = "override an option") -> None:
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def add_force_flag(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--force", action="store_true", help=FORCE_HELP)
