@@ -216,7 +216,8 @@ def rl_step(run: _Run, step: int) -> StepStats:
     advantages = group_advantages(rewards, rl.scale).flatten()
     tokens = int(_sum(env, [sum(len(r.ids) for r in replies)])[0])
     lr = set_lr(run.optimizer, lr_at(step, cfg.optim, cfg.train.max_steps))
-    olds: list[torch.Tensor] = []  # the sampling policy's log probabilities, kept from the first update
+    # The sampling policy's log probabilities and the start's, computed at the first update, kept for the others.
+    olds: list[tuple[torch.Tensor, torch.Tensor]] = []
     for _ in range(rl.updates):
         kl, clipped = _accumulate(run, replies, advantages, tokens, olds)
         if env.distributed:
@@ -240,7 +241,11 @@ def rl_step(run: _Run, step: int) -> StepStats:
 
 
 def _accumulate(
-    run: _Run, replies: list[Reply], advantages: torch.Tensor, tokens: int, olds: list[torch.Tensor]
+    run: _Run,
+    replies: list[Reply],
+    advantages: torch.Tensor,
+    tokens: int,
+    olds: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[float, float]:
     """The loss's gradients over `replies`, a micro-batch at a time; (mean KL, share of tokens clipped)."""
     device, size = next(run.model.parameters()).device, run.cfg.rl.micro_batch
@@ -250,12 +255,12 @@ def _accumulate(
         batch = reply_batch([r.prompt for r in part], [r.ids for r in part], device)
         with autocast(device, run.dtype):
             logp = token_logprobs(run.model, batch)
-            with torch.no_grad():
-                ref = token_logprobs(run.reference, batch)
-        if len(olds) <= i:  # the first update: the weights are still the ones that sampled
-            olds.append(logp.detach())
+            if len(olds) <= i:  # the first update: the weights are still the ones that sampled
+                with torch.no_grad():
+                    olds.append((logp.detach(), token_logprobs(run.reference, batch)))
+        old, ref = olds[i]
         parts = policy_loss(
-            logp, olds[i], advantages[start : start + size].to(device), batch.mask,
+            logp, old, advantages[start : start + size].to(device), batch.mask,
             tokens=tokens, clip=run.cfg.rl.clip, ref_logp=ref, kl_coef=run.cfg.rl.kl,
         )  # fmt: skip
         parts.loss.backward()
