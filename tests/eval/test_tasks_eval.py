@@ -132,3 +132,13 @@ def test_greedy_replies_are_the_model_s_own_argmax(chat_model):
         with torch.no_grad():
             assert model(torch.tensor([ids]))[0][0, -1].argmax().item() == token
         ids.append(token)
+
+
+def test_a_reply_ends_where_the_context_does(chat_model):
+    _, model, tok = chat_model
+    request = "Write `f`. " + "It adds one. " * 25  # a prompt near the 128-token context
+    task = Task("near", "f", request, "f", ("assert f(1) == 2",), "")
+    prompt = task_prompt(tok, request)
+    assert 100 < len(prompt) < 128
+    [[reply]] = sample_replies(model, tok, [task], n=1, rule=Sampling(0.0), seed=0, max_new_tokens=100)
+    assert len(prompt) + len(reply.ids) == 129  # the last token is taken from a full context's logits

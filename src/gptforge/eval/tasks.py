@@ -90,10 +90,10 @@ def sample_replies(
     for index, task in enumerate(tasks):
         prompt = task_prompt(tok, task.request)
         prompts.append(prompt)
-        budget = min(max_new_tokens, block - len(prompt) + 1)  # a reply ends where the context does
         for j in range(n):
             g = None if rule.greedy else torch.Generator(device).manual_seed(draw_seed(seed, task.name, j))
-            seqs.append(Sequence(list(prompt), budget, rule, g, ends, slides=False, prompt_key=index))
+            # slides=False: a reply ends ("length") where the context does, its prompt never slid out
+            seqs.append(Sequence(list(prompt), max_new_tokens, rule, g, ends, slides=False, prompt_key=index))
     Engine(model, rows=rows, dtype=dtype).run(*seqs)
     cut = str if chat_template(tok) is not None else truncate
     out = []
