@@ -2,29 +2,35 @@
 and `transformers` (the same weights as an HF folder), interleaved round by round in one process.
 
     python benchmarks/decode.py RUN_OR_CKPT|- [--preset NAME] [--threads 2] [--new-tokens 128] [--rounds 3]
-        [--batches 1,8,32] [--device cpu] [--dtype float32] [--decode rows|static|compiled] [--no-llama] [--no-hf]
-        [--json OUT.json]
+        [--batches 1,8,32] [--device cpu] [--dtype float32] [--ours float:rows,int8:compiled] [--serve int8:compiled]
+        [--no-llama] [--no-hf] [--json OUT.json]
 
 Per candidate: greedy decode tokens/s and ms a token at each batch (a prompt's prefill excluded), prefill tokens/s
-and time to first token for a prompt of half the context. llama.cpp runs batch 1 only (its Python binding decodes
-one sequence). The host's matmul peaks are recorded beside the figures."""
+and time to first token for a prompt of half the context. Each of --ours is the engine with those weights and that
+decode step ("gptforge" for float:rows, else "gptforge WEIGHTS STEP"); each of --serve is `gptforge serve` with
+those flags in a process of its own, a streamed request at a time (batch 1; a run folder or checkpoint only).
+llama.cpp runs batch 1 only (its Python binding decodes one sequence). The host's matmul peaks are recorded
+beside the figures."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
 
 from gptforge.checkpoint import load_checkpoint
 from gptforge.config import load_config
-from gptforge.model.engine import DECODES, Engine, Sequence, column_major
+from gptforge.model.engine import Decoding, Engine, Sequence, column_major
 from gptforge.model.gpt import GPT
+from gptforge.model.quantize import quantize_int8
 from gptforge.runtime.device import resolve_device
 from gptforge.runtime.threads import sustained_matmul_flops
 from gptforge.tokens.tokenizer import load_tokenizer
@@ -35,10 +41,9 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 class Ours:
     """gptforge's engine: the rows of a batch decode together, each from its own copy of the prompt."""
 
-    name = "gptforge"
-
-    def __init__(self, model, dtype: torch.dtype, decode: str) -> None:
-        self.model, self.dtype, self.decode_mode = model, dtype, decode
+    def __init__(self, model, dtype: torch.dtype, decoding: Decoding) -> None:
+        self.model, self.dtype, self.decode_mode = model, dtype, decoding.step
+        self.name = "gptforge" if decoding == Decoding() else f"gptforge {decoding.weights} {decoding.step}"
 
     def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
         """(seconds to the first token of every row, seconds for the rest)."""
@@ -52,6 +57,33 @@ class Ours:
             engine.step()
         _sync(self.model)
         return first - start, time.perf_counter() - first
+
+
+class Served:
+    """`gptforge serve` in a process of its own: one streamed greedy request at a time (batch 1)."""
+
+    def __init__(self, path: str, decoding: Decoding, threads: int, dtype: str) -> None:
+        from serve import start_server
+
+        flags = ("--weights", decoding.weights, "--decode", decoding.step, "--threads", str(threads), "--dtype", dtype)
+        self.server, self.url = start_server(path, 1, flags)
+        self.name = f"serve {decoding.weights} {decoding.step}"
+        self.model = json.load(urllib.request.urlopen(f"{self.url}/v1/models", timeout=60))["data"][0]["id"]
+
+    def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
+        """As Ours; a reply that ends early (the model's end of text) is timed over the tokens it has."""
+        from serve import post
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        total, first, tokens, status = post(self.url, body)
+        if status != 200 or tokens < 2:
+            raise SystemExit(f"{self.name}: HTTP {status}, {tokens} tokens")
+        return first, (total - first) * (new - 1) / (tokens - 1)
+
+    def close(self) -> None:
+        self.server.terminate()
+        self.server.wait(timeout=30)
 
 
 class Llama:
@@ -112,7 +144,7 @@ def measure(candidates: list, cases: list[tuple[list[int], int, int]], rounds: i
     for _ in range(rounds):
         for prompt, new, batch in cases:
             for cand in candidates:
-                if batch > 1 and isinstance(cand, Llama):
+                if batch > 1 and isinstance(cand, Llama | Served):
                     continue
                 times.setdefault((cand.name, len(prompt), batch), []).append(cand.decode(prompt, new, batch))
     out: dict[str, dict] = {}
@@ -139,7 +171,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--decode", default="rows", choices=DECODES, help="the engine's decode step")
+    parser.add_argument("--ours", default="float:rows", help="the engine's WEIGHTS:STEP variants, comma-separated")
+    parser.add_argument("--serve", default="", help="`gptforge serve`'s WEIGHTS:STEP variants (default none)")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", type=Path)
@@ -168,16 +201,27 @@ def main() -> None:
             from gptforge.hub.convert import export_hf
 
             candidates.append(Transformers(export_hf(model, tok, Path(tmp) / "hf"), device, dtype))
-        if device.type == "cpu":  # as `load_for_inference` lays them out for sample, chat and serve
-            column_major(model)
-        candidates.insert(0, Ours(model, dtype, args.decode))
-        measure(candidates, [(short, 8, 1)], 1)  # warm-up: first calls allocate and load kernels
-        result = measure(candidates, cases, args.rounds)
+        ours = []
+        for decoding in variants(args.ours):
+            copied = quantize_int8(copy.deepcopy(model)) if decoding.weights == "int8" else copy.deepcopy(model)
+            if device.type == "cpu":  # as `load_for_inference` lays them out for sample, chat and serve
+                column_major(copied)
+            ours.append(Ours(copied, dtype, decoding))
+        served = [Served(str(args.checkpoint), d, args.threads, args.dtype) for d in variants(args.serve)]
+        candidates = ours + served + candidates
+        try:
+            # Warm-up: first calls allocate and load kernels, and a compiled step compiles at each batch size.
+            measure(candidates, [(short, 8, b) for b in sorted({b for _, _, b in cases})], 1)
+            result = measure(candidates, cases, args.rounds)
+        finally:
+            for server in served:
+                server.close()
     peaks = {
         name: round(sustained_matmul_flops(args.threads, d) / 1e9, 1)
         for name, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
     report = {
+        "variants": {"ours": args.ours, "serve": args.serve},
         "checkpoint": args.preset or str(args.checkpoint),
         "step": meta["step"],
         "parameters": model.num_params(),
@@ -186,19 +230,23 @@ def main() -> None:
         "threads": args.threads,
         "device": str(device),
         "dtype": args.dtype,
-        "decode": args.decode,
         "matmul_gflops": peaks,
         "results": result,
     }
-    ours = result["gptforge"]
+    ours = result[ours[0].name]
     for name, cases_done in result.items():
         for case, r in cases_done.items():
             ratio = ours[case]["tokens_per_s"] / r["tokens_per_s"] if case in ours else float("nan")
-            print(f"{name:16} {case:22} {r['tokens_per_s']:10,.1f} tokens/s {r['ms_per_step']:8.3f} ms/step "
+            print(f"{name:24} {case:22} {r['tokens_per_s']:10,.1f} tokens/s {r['ms_per_step']:8.3f} ms/step "
                   f"first token {r['first_token_ms']:8.2f} ms  (gptforge {ratio:.2f}x)")  # fmt: skip
     print(f"host matmul peaks on {args.threads} threads: {peaks['fp32']} GFLOP/s fp32, {peaks['bf16']} bf16")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def variants(spec: str) -> list[Decoding]:
+    """'float:rows,int8:compiled' as Decodings."""
+    return [Decoding(*part.split(":")) for part in spec.split(",") if part]
 
 
 if __name__ == "__main__":

@@ -327,6 +327,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from gptforge.serve.protocol import Limits
     except ImportError as e:  # the optional extra is not installed
         raise GptforgeError(f"serve needs its extra: pip install 'gptforge[serve]' (missing {e.name})") from None
+    from gptforge.model.engine import Decoding
 
     limits = Limits(
         max_tokens=args.max_tokens,
@@ -347,4 +348,5 @@ def cmd_serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         threads=args.threads,
         allow_hosts=tuple(args.allow_host),
+        decoding=Decoding(args.weights, args.decode),
     )

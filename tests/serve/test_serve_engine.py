@@ -14,7 +14,7 @@ import pytest
 
 from gptforge.cli import main
 from gptforge.serve.engine import Engine
-from gptforge.serve.jobs import Done, Event, Failed, Job, Started
+from gptforge.serve.jobs import Done, Event, Failed, Job, Started, Text
 from gptforge.serve.protocol import ApiError, Limits, parse_completion
 from gptforge.serve.runs import check_root, find_sources
 from gptforge.serve.text import Continuation
@@ -268,3 +268,50 @@ def test_a_nan_or_infinity_in_a_log_is_a_gap_in_its_curve_not_an_error(tmp_path)
     assert answer.status_code == 200
     assert answer.json()["train"]["loss"] == [None, None] and answer.json()["code"]["prefix_exact"] == [None]
     assert answer.json()["code"]["parse_rate"] == [None] and answer.json()["code"]["infill_exact"] == [None]
+
+
+def test_int8_weights_and_the_static_step_answer_as_the_engine_does_and_load_on_the_batcher_thread(
+    runs_dir, tmp_path, monkeypatch
+):
+    """Every torch call of a model on one thread: OpenMP threads a second thread started (a model's load) made
+    each later decode step 2-4x slower on a 2-core host."""
+    import gptforge.serve.engine as serve_engine
+    from gptforge.checkpoint import load_for_inference
+    from gptforge.model.engine import Decoding, Sequence
+    from gptforge.model.engine import Engine as Decoder
+    from gptforge.model.quantize import Int8Linear
+
+    shutil.copytree(runs_dir / "alpha", tmp_path / "run")
+    threads = []
+    loading = serve_engine.load_for_inference
+    monkeypatch.setattr(
+        serve_engine,
+        "load_for_inference",
+        lambda *a, **k: (threads.append(threading.current_thread().name), loading(*a, **k))[1],
+    )
+    decoding = Decoding("int8", "static")
+    engine = Engine(tmp_path, Limits(), decoding=decoding)
+    events = completion(engine, {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0})
+    assert threads == ["gptforge-batcher"] and isinstance(events[-1], Done), events
+
+    run = load_for_inference(tmp_path / "run" / "checkpoints" / "step_000004", decoding=decoding)
+    assert run.decoding == decoding
+    (seq,) = Decoder(run.model, rows=1, dtype=run.dtype).run(
+        Sequence([5, 6, 7], 6, ends=frozenset({run.tokenizer.eot}))
+    )
+    text = "".join(e.piece for e in events if isinstance(e, Text))
+    assert text == run.tokenizer.decode([t for t in seq.new if t != run.tokenizer.eot])
+    assert isinstance(engine.model("run")[2].model.lm_head, Int8Linear)
+
+
+def test_serve_passes_its_decoding_flags_on_and_refuses_unknown_ones(runs_dir, capsys, monkeypatch):
+    from gptforge.model.engine import Decoding
+
+    seen = {}
+    monkeypatch.setattr("gptforge.serve.app.serve", lambda path, **kwargs: seen.update(kwargs))
+    assert main(["serve", str(runs_dir), "--weights", "int8", "--decode", "compiled"]) == 0
+    assert seen["decoding"] == Decoding("int8", "compiled")
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", str(runs_dir), "--weights", "int4"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "argument --weights: invalid choice: 'int4'" in err, err

@@ -37,9 +37,10 @@ from gptforge.checkpoint.save import (
 from gptforge.config import Config, config_from_dict, lora_spec
 from gptforge.errors import GptforgeError, first_detail
 from gptforge.inputs import utf8_path
-from gptforge.model.engine import column_major
+from gptforge.model.engine import FLOAT_ROWS, Decoding, column_major
 from gptforge.model.gpt import GPT, GPTConfig
 from gptforge.model.lora import apply_lora, merge_lora
+from gptforge.model.quantize import quantize_int8
 from gptforge.runtime.device import resolve_device, resolve_dtype
 from gptforge.runtime.distributed import SINGLE, DistEnv, launch_env
 from gptforge.runtime.fsdp import (
@@ -270,15 +271,22 @@ class Inference:
     meta: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
+    decoding: Decoding = FLOAT_ROWS
 
 
-def load_for_inference(path: str | Path, device: str = "auto", dtype: str = "auto") -> Inference:
-    """`dtype` 'auto' computes in the precision the checkpoint trained in (an import: the one it came in)."""
+def load_for_inference(
+    path: str | Path, device: str = "auto", dtype: str = "auto", decoding: Decoding = FLOAT_ROWS
+) -> Inference:
+    """`dtype` 'auto' computes in the precision the checkpoint trained in (an import: the one it came in);
+    `decoding.weights` int8 quantizes the linear layers (weight-only)."""
     dev = resolve_device(device, "--device")
     model, tok, cfg, meta = load_checkpoint(path, dev)
+    if decoding.weights == "int8":
+        quantize_int8(model)
     if dev.type == "cpu":
         column_major(model)
-    return Inference(model, tok, cfg, meta, dev, resolve_dtype(cfg.train.dtype if dtype == "auto" else dtype, dev))
+    compute = resolve_dtype(cfg.train.dtype if dtype == "auto" else dtype, dev)
+    return Inference(model, tok, cfg, meta, dev, compute, decoding)
 
 
 def restore_training_state(

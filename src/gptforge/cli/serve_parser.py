@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from gptforge import commands
-from gptforge.cli.flags import THREADS_HELP, add_compute_flags
+from gptforge.cli.flags import THREADS_HELP, add_compute_flags, add_decoding_flags
 from gptforge.cli.types import api_key, at_least, cors_origin, host_allowed
 from gptforge.serve.protocol import MAX_CHOICES, MAX_PARALLEL
 
@@ -59,4 +59,5 @@ def add_serve_command(sub) -> None:
         help="answer requests whose Host is NAME too ('*': any); by default only the --host address's names",
     )
     add_compute_flags(s, threads_help=f"{THREADS_HELP}; 1 beside a CPU training run")
+    add_decoding_flags(s)
     s.set_defaults(func=commands.cmd_serve)

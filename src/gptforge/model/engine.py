@@ -16,6 +16,7 @@ import torch
 
 from gptforge.model.gpt import GPT
 from gptforge.model.kv_cache import KVCache, RowCache, StaticCache
+from gptforge.model.quantize import WEIGHTS
 from gptforge.model.sampling import Sampling, forward_logits, sample_rows
 from gptforge.runtime.device import autocast
 
@@ -24,6 +25,22 @@ GREEDY = Sampling(temperature=0.0)
 # shapes (a mask over a static cache, batches padded to a power of two), which "compiled" compiles once per size.
 DECODES = ("rows", "static", "compiled")
 STOP, LENGTH = "stop", "length"  # why a sequence ended: a stop (an end id, or its watcher's word), or its budget
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How an inference model decodes: its linear weights (one of WEIGHTS) and the engine's step (DECODES)."""
+
+    weights: str = "float"
+    step: str = "rows"
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("weights", self.weights, WEIGHTS), ("decode", self.step, DECODES)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
+FLOAT_ROWS = Decoding()  # the default: float weights, the eager row step
 
 
 @dataclass(eq=False)

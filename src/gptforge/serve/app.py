@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gptforge.errors import GptforgeError
+from gptforge.model.engine import FLOAT_ROWS, Decoding
 from gptforge.runtime.device import resolve_device
 from gptforge.serve import api, page
 from gptforge.serve.engine import Engine
@@ -172,9 +173,10 @@ def build_app(
     device: str = "auto",
     dtype: str = "auto",
     hosts: Hosts | None = None,
+    decoding: Decoding = FLOAT_ROWS,
 ) -> Starlette:
     """The app; `hosts` None answers any Host (for a caller that is the only one to reach it, as tests are)."""
-    engine = Engine(root, limits or Limits(), device, dtype)
+    engine = Engine(root, limits or Limits(), device, dtype, decoding)
     middleware = [Middleware(RequireKey, key=api_key)] if api_key else []
     if cors:  # only when asked: a page on another site could otherwise drive this server from a visitor's browser
         middleware.insert(
@@ -241,6 +243,7 @@ def serve(
     dtype: str = "auto",
     threads: int | None = None,
     allow_hosts: tuple[str, ...] = (),
+    decoding: Decoding = FLOAT_ROWS,
 ) -> None:
     """Serve until Ctrl-C or SIGTERM; prints the address (with the port --port 0 chose) first."""
     root = check_root(path)
@@ -252,7 +255,9 @@ def serve(
     if threads:  # beside a training run on the same CPU, more threads than are free make each token far slower
         torch.set_num_threads(threads)
     sock = bind(host, port)
-    app = build_app(root, api_key=api_key, limits=limits, cors=cors, device=device, dtype=dtype, hosts=hosts)
+    app = build_app(
+        root, api_key=api_key, limits=limits, cors=cors, device=device, dtype=dtype, hosts=hosts, decoding=decoding
+    )
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}"
     print(banner(path, find_sources(root), url), flush=True)

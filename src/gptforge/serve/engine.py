@@ -13,6 +13,7 @@ from typing import Any
 
 from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.errors import GptforgeError
+from gptforge.model.engine import FLOAT_ROWS, Decoding
 from gptforge.serve.batcher import Batcher
 from gptforge.serve.jobs import Event, Failed, Job, Started
 from gptforge.serve.protocol import ApiError, CompletionRequest, Limits
@@ -27,8 +28,10 @@ class Engine:
     """Serves the runs under `root`: admits requests up to `limits.parallel` generating and `limits.queue` more
     waiting, and hands them to one batcher, which generates them together."""
 
-    def __init__(self, root: Path, limits: Limits, device: str = "auto", dtype: str = "auto") -> None:
-        self.root, self.limits, self.device, self.dtype = root, limits, device, dtype
+    def __init__(
+        self, root: Path, limits: Limits, device: str = "auto", dtype: str = "auto", decoding: Decoding = FLOAT_ROWS
+    ) -> None:
+        self.root, self.limits, self.device, self.dtype, self.decoding = root, limits, device, dtype, decoding
         self._load_lock = threading.Lock()  # two requests for a newer checkpoint load it once
         self._count_lock = threading.Lock()
         self.in_flight = 0
@@ -161,7 +164,8 @@ class Engine:
             if loaded is not None and loaded[0] == ckpt:
                 return loaded
             try:
-                return ckpt, load_for_inference(ckpt, self.device, self.dtype)
+                load = functools.partial(load_for_inference, ckpt, self.device, self.dtype, self.decoding)
+                return ckpt, self.batcher.call(load)
             except GptforgeError as e:
                 failed[ckpt] = str(e)
                 source.damaged(ckpt, str(e))
