@@ -7,6 +7,7 @@ import sys
 import pytest
 from tests.helpers import chat_checkpoint
 
+import gptforge.model.generate
 from gptforge.checkpoint import load_checkpoint
 from gptforge.cli import main
 from gptforge.model.generate import generate
@@ -241,3 +242,26 @@ def converse(ckpt, lines: list[str], monkeypatch, **settings) -> tuple[list[str]
         write=lambda *a, **k: said.append(a[0] if a else ""),
     )
     return said, spy
+
+
+def test_sample_and_chat_decode_with_int8_weights_and_the_static_step_when_asked(chat_ckpt, capsys, monkeypatch):
+    from gptforge.model.engine import Decoding
+    from gptforge.model.quantize import quantize_int8
+
+    model, tok, _, _ = load_checkpoint(chat_ckpt)
+    quantize_int8(model)
+    prompt = format_chat(tok, [Message("user", "hello")], add_generation_prompt=True).ids.tolist()
+    reply = tok.decode(generate(model, prompt, 8, temperature=0.0, eot=tok.im_end)[0])
+    args = ["sample", str(chat_ckpt), "--chat", "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"]
+    engines = []
+    engine = gptforge.model.generate.Engine
+    spy = lambda model, **kw: (engines.append((type(model.lm_head).__name__, kw["decode"])), engine(model, **kw))[1]  # noqa: E731
+    monkeypatch.setattr(gptforge.model.generate, "Engine", spy)
+    assert main([*args, "--weights", "int8", "--decode", "static"]) == 0
+    assert capsys.readouterr().out == f"--- sample 0\nuser> hello\nassistant> {reply}\n"
+    assert engines == [("Int8Linear", "static")]
+
+    seen = {}
+    monkeypatch.setattr("gptforge.sample.chat_session", lambda *a, **kwargs: seen.update(kwargs))
+    assert main(["chat", str(chat_ckpt), "--weights", "int8", "--decode", "compiled"]) == 0
+    assert seen["decoding"] == Decoding("int8", "compiled")

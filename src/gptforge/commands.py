@@ -176,6 +176,7 @@ def _need_open(*streams: str) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
+    from gptforge.model.engine import Decoding
     from gptforge.runtime.threads import use_threads
     from gptforge.sample import sample_texts
 
@@ -196,6 +197,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         suffix=args.suffix,
         chat=args.chat,
+        decoding=Decoding(args.weights, args.decode),
     )
     at_line_start = True
     try:
@@ -208,6 +210,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    from gptforge.model.engine import Decoding
     from gptforge.runtime.threads import use_threads
     from gptforge.sample import ChatSettings, chat_session, echoed
 
@@ -222,7 +225,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     read = input if sys.stdin.isatty() else echoed
-    chat_session(args.checkpoint, settings, read=read, device=args.device, dtype=args.dtype)
+    decoding = Decoding(args.weights, args.decode)
+    chat_session(args.checkpoint, settings, read=read, device=args.device, dtype=args.dtype, decoding=decoding)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

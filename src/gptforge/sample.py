@@ -11,6 +11,7 @@ import torch
 from gptforge.checkpoint import Inference, load_for_inference
 from gptforge.errors import GptforgeError
 from gptforge.inputs import not_utf8
+from gptforge.model.engine import FLOAT_ROWS, Decoding
 from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
 from gptforge.tokens.chat import Message, chat_template, format_chat
@@ -35,6 +36,7 @@ def sample_texts(
     dtype: str = "auto",
     suffix: str | None = None,
     chat: bool = False,
+    decoding: Decoding = FLOAT_ROWS,
 ) -> Iterator[str]:
     """Load the checkpoint (a bad one fails here), then yield text to print as it is generated: a
     `--- sample N` line, the prompt, its continuation (with `suffix`: the middle, in reverse video on a terminal,
@@ -42,7 +44,7 @@ def sample_texts(
     each prompt."""
     if chat and suffix is not None:  # the flags conflict, whatever the model (its tokenizer is a chat one, not FIM's)
         raise GptforgeError("--suffix: not with --chat (a chat reply is an answer, not a gap to fill)")
-    run = load_for_inference(checkpoint, device, dtype)
+    run = load_for_inference(checkpoint, device, dtype, decoding)
     if chat:
         check_chat_model(run, checkpoint, "--chat")
     if suffix is not None and not isinstance(run.tokenizer, FIMTokenizer):
@@ -98,7 +100,7 @@ def reply_pieces(run: Inference, ids: list[int], steps: tuple) -> Iterator[str]:
     tok, ends = run.tokenizer, end_ids(run.tokenizer)
     new: list[int] = []
     shown = ""
-    tokens = stream(run.model, ids, *steps)
+    tokens = stream(run.model, ids, *steps, decode=run.decoding.step)
     while True:
         with autocast(run.device, run.dtype):  # around the model only, not around our caller's code
             nxt = next(tokens, None)
@@ -128,12 +130,18 @@ class ChatSettings:
 
 
 def chat_session(
-    checkpoint: str, settings: ChatSettings, read=input, write=print, device: str = "auto", dtype: str = "auto"
+    checkpoint: str,
+    settings: ChatSettings,
+    read=input,
+    write=print,
+    device: str = "auto",
+    dtype: str = "auto",
+    decoding: Decoding = FLOAT_ROWS,
 ) -> None:
     """`gptforge chat`: a conversation in the terminal. Each line is the user's message and the reply streams as
     it comes (Ctrl-C stops it); /reset forgets the conversation, /exit or end of input ends it. The oldest turns
     leave the context first (a system message stays)."""
-    run = load_for_inference(checkpoint, device, dtype)
+    run = load_for_inference(checkpoint, device, dtype, decoding)
     check_chat_model(run, checkpoint)
     block, budget = run.model.config.block_size, settings.max_new_tokens
     system = [Message("system", settings.system)] if settings.system else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gptforge import __version__, commands
 from gptforge.cli.flags import (
     add_compute_flags,
+    add_decoding_flags,
     add_force_flag,
     add_set_flag,
 )
@@ -348,6 +349,7 @@ def _add_generation_commands(sub) -> None:
     s.add_argument("--no-cache", action="store_true", help="recompute the context every token (for comparison)")
     s.add_argument("--chat", action="store_true", help="each prompt is a user's message: print the model's reply")
     add_compute_flags(s)
+    add_decoding_flags(s)
     s.set_defaults(func=commands.cmd_sample)
 
     s = sub.add_parser("chat", help="talk with a fine-tuned chat model in the terminal")
@@ -359,4 +361,5 @@ def _add_generation_commands(sub) -> None:
     s.add_argument("--top-p", type=probability, default=None, help="nucleus sampling mass (e.g. 0.95)")
     s.add_argument("--seed", type=seed_value, default=0, help="random seed, in [0, 2**63) (default 0)")
     add_compute_flags(s)
+    add_decoding_flags(s)
     s.set_defaults(func=commands.cmd_chat)

@@ -25,12 +25,14 @@ def stream(
     eot: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    decode: str = "rows",
 ) -> Iterator[torch.Tensor]:
     """Yield a (num_samples,) tensor of new ids per step, the samples drawing in turn from `generator`; rows that
-    produced EOT keep yielding EOT. Past the context each step recomputes the last block_size tokens."""
+    produced EOT keep yielding EOT. Past the context each step recomputes the last block_size tokens; `decode`
+    is the engine's step (DECODES)."""
     if not prompt:
         raise ValueError("the prompt must have at least one token")
-    engine = Engine(model, rows=num_samples, use_cache=use_cache)
+    engine = Engine(model, rows=num_samples, use_cache=use_cache, decode=decode)
     rule, ends = Sampling(temperature, top_k, top_p), frozenset(() if eot is None else (eot,))
     seqs = [Sequence(list(prompt), max_new_tokens, rule, generator, ends, prompt_key=0) for _ in range(num_samples)]
     engine.submit(*seqs)
