@@ -64,8 +64,8 @@ def sample_rows(logits: torch.Tensor, rules: list[Sampling], uniforms: torch.Ten
 
 
 def _most_likely(x: torch.Tensor) -> torch.Tensor:
-    best = x.argmax(dim=-1)
-    _check_finite(x.gather(-1, best[:, None]))  # argmax picks a NaN or +inf if there is one
+    most, best = x.max(dim=-1)  # the first of tied maxima, as argmax; a NaN or +inf if there is one
+    _check_finite(most)
     return best
 
 
