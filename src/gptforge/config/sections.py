@@ -172,8 +172,9 @@ class LogConfig:
 @dataclass
 class RLConfig:
     tasks: str = "builtin"
-    """`gptforge rl`'s training tasks: builtin (the built-in families' training split, fresh tasks each step) or a
-    JSONL file of tasks (request, entry_point, tests), taken in a seeded order each pass."""
+    """`gptforge rl`'s training tasks: builtin (the built-in families' training split, fresh tasks each step),
+    doctests:SOURCE (mined from the doctests of a `prepare` source's training files) or a JSONL file of tasks
+    (request, entry_point, tests); listed tasks are taken in a seeded order each pass."""
     tasks_per_step: int = 7
     """Tasks a step (all processes together), each answered by `group` replies."""
     group: int = 8

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from gptforge.data.chat.doctests import DOCTESTS, VAL_FRACTION, doctest_tasks
+from gptforge.data.sources import documents
 from gptforge.errors import GptforgeError
 from gptforge.eval.humaneval import check_ks, pass_at_k, truncate
 from gptforge.model.engine import Engine, Sequence
@@ -37,11 +39,21 @@ class Reply:
     text: str
 
 
-def load_tasks(source: str, limit: int = 0, flag: str = "--tasks") -> list[Task]:
-    """`builtin` (the held-out built-in tasks, `limit` of them, else BUILTIN_COUNT) or a JSONL file's tasks."""
+def load_tasks(source: str, limit: int = 0, flag: str = "--tasks", split: str = "val") -> list[Task]:
+    """`builtin` (the built-in tasks of `split`, `limit` of them, else BUILTIN_COUNT), `doctests:CORPUS` (the tasks
+    mined from the doctests of a `prepare` source's files of `split`) or a JSONL file's tasks."""
     if source == BUILTIN:
-        return builtin_tasks("val", limit or BUILTIN_COUNT)
-    tasks = read_tasks(source, flag)
+        return builtin_tasks(split, limit or BUILTIN_COUNT)
+    if source.startswith(DOCTESTS):
+        corpus = source.removeprefix(DOCTESTS)
+        tasks = doctest_tasks(documents(corpus), split)
+        if not tasks:
+            raise GptforgeError(
+                f"{flag} {source}: no {split} task (no function of {corpus}'s {split} files, {VAL_FRACTION:.0%} of "
+                "them held out, has doctests of literal calls that it passes alone)"
+            )
+    else:
+        tasks = read_tasks(source, flag)
     return tasks[:limit] if limit else tasks
 
 

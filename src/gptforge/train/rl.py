@@ -31,7 +31,7 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import Config, config_from_dict, to_dict, to_toml
 from gptforge.errors import GptforgeError
-from gptforge.eval.tasks import BUILTIN, Reply, check_fits, evaluate_tasks, sample_replies
+from gptforge.eval.tasks import BUILTIN, Reply, check_fits, evaluate_tasks, load_tasks, sample_replies
 from gptforge.files import atomic_write
 from gptforge.model.gpt import GPT
 from gptforge.model.sampling import Sampling
@@ -40,7 +40,6 @@ from gptforge.rundir import CONFIG, METRICS, format_duration
 from gptforge.runtime import distributed
 from gptforge.runtime.device import autocast, resolve_device, resolve_dtype
 from gptforge.tasks.builtin import Task, builtin_tasks
-from gptforge.tasks.read import read_tasks
 from gptforge.tasks.score import score_replies
 from gptforge.tokens.chat import chat_template
 from gptforge.train.checkpointer import find_resume
@@ -172,10 +171,16 @@ def _build(cfg: Config, env: distributed.DistEnv, device: torch.device) -> _Run:
     reference = copy.deepcopy(model).requires_grad_(False)  # the starting policy: its KL is logged, in the loss or not
     dtype = resolve_dtype(cfg.train.dtype, device)
     optimizer = build_optimizer(model, cfg.optim, device.type, dtype=dtype)
-    tasks = None if cfg.rl.tasks == BUILTIN else read_tasks(cfg.rl.tasks, "rl.tasks")
+    tasks = listed_tasks(cfg)
     if tasks is not None:  # before any evaluation or step: a request past the context is said at once
         check_fits(tok, tasks, cfg.model.block_size, f"rl.tasks {cfg.rl.tasks}")
     return _Run(cfg, env, model, tok, reference, optimizer, dtype, task_source(cfg, tasks))
+
+
+def listed_tasks(cfg: Config) -> list[Task] | None:
+    """rl.tasks' tasks when it lists them: a file's, or those mined from a corpus's training files (None for
+    builtin, whose tasks are drawn fresh each step)."""
+    return None if cfg.rl.tasks == BUILTIN else load_tasks(cfg.rl.tasks, flag="rl.tasks", split="train")
 
 
 def task_source(cfg: Config, tasks: list[Task] | None = None) -> Callable[[int], list[Task]]:
@@ -184,7 +189,7 @@ def task_source(cfg: Config, tasks: list[Task] | None = None) -> Callable[[int],
     count, seed = cfg.rl.tasks_per_step, cfg.train.seed
     if cfg.rl.tasks == BUILTIN:
         return lambda step: builtin_tasks("train", count, seed=f"{seed}/{step}")
-    tasks = tasks if tasks is not None else read_tasks(cfg.rl.tasks, "rl.tasks")
+    tasks = tasks if tasks is not None else listed_tasks(cfg)
 
     def at(step: int) -> list[Task]:
         out = []
