@@ -103,3 +103,15 @@ def test_eval_and_rl_load_mined_tasks_and_a_corpus_without_any_is_one_line(tmp_p
         load_tasks(f"doctests:{tmp_path}", flag="rl.tasks", split="train")
     with pytest.raises(GptforgeError, match="no such file or directory"):
         load_tasks(f"doctests:{tmp_path / 'missing'}")
+
+
+def test_a_file_nested_past_the_parser_s_depth_is_skipped_and_an_empty_corpus_is_one_line(tmp_path):
+    from gptforge.data.chat.instructions import defines_function, function_tasks
+    from gptforge.tasks.reply import answer
+
+    deep = "x = " + "-" * 100_000 + "1\n"
+    assert doctest_tasks([("deep.py", deep), ("a.py", MODULE)], "train") != []  # a.py, the second file, trains
+    assert list(function_tasks([("deep.py", deep)])) == []
+    assert not defines_function(deep, "x") and not answer(deep, "x").parses
+    with pytest.raises(GptforgeError, match=r"^--tasks doctests:: no corpus named"):
+        load_tasks("doctests:")

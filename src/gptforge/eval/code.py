@@ -6,7 +6,6 @@ for a small model."""
 
 from __future__ import annotations
 
-import ast
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from gptforge.model.generate import Generation, Sampling, generate_batch
 from gptforge.model.gpt import GPT
 from gptforge.runtime.device import autocast
 from gptforge.runtime.distributed import SINGLE, DistEnv, all_reduce_sum
+from gptforge.tasks.reply import parsed
 from gptforge.tokens.fim import FIMTokenizer, end_ids
 from gptforge.tokens.tokenizer import Tokenizer
 
@@ -204,14 +204,10 @@ def parsed_bodies(model: GPT, tok: Tokenizer, prompts: list[tuple[int, str, str]
         items.append(Generation(ids, min(body_tokens, block - len(ids) + 1), Sampling(0.8, top_k=50), g))
     with autocast(device, dtype):
         generate_batch(model, items, {tok.eot})
-    parsed = 0
+    count = 0
     for item, (_, _, signature) in zip(items, prompts, strict=True):
-        try:
-            ast.parse(textwrap.dedent(signature + body_of(tok.decode(item.new))))
-            parsed += 1
-        except (SyntaxError, ValueError):
-            pass
-    return parsed
+        count += parsed(textwrap.dedent(signature + body_of(tok.decode(item.new)))) is not None
+    return count
 
 
 def evaluate_code(

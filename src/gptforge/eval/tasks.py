@@ -46,11 +46,13 @@ def load_tasks(source: str, limit: int = 0, flag: str = "--tasks", split: str = 
         return builtin_tasks(split, limit or BUILTIN_COUNT)
     if source.startswith(DOCTESTS):
         corpus = source.removeprefix(DOCTESTS)
+        if not corpus:
+            raise GptforgeError(f"{flag} {source}: no corpus named (doctests:stdlib, doctests:FOLDER, doctests:GLOB)")
         tasks = doctest_tasks(documents(corpus), split)
         if not tasks:
             raise GptforgeError(
-                f"{flag} {source}: no {split} task (no function of {corpus}'s {split} files, {VAL_FRACTION:.0%} of "
-                "them held out, has doctests of literal calls that it passes alone)"
+                f"{flag} {source}: no {split} task (no function of {corpus}'s {split} files, the first file and "
+                f"{VAL_FRACTION:.0%} of the rest held out, has doctests of literal calls that it passes alone)"
             )
     else:
         tasks = read_tasks(source, flag)

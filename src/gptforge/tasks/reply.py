@@ -20,15 +20,17 @@ class Answer:
 def answer(reply: str, entry_point: str) -> Answer:
     blocks = FENCE.findall(reply)
     candidates = blocks or [reply]
-    code = next((c for c in candidates if _defines(_tree(c), entry_point)), candidates[0])
-    tree = _tree(code)
+    code = next((c for c in candidates if _defines(parsed(c), entry_point)), candidates[0])
+    tree = parsed(code)
     return Answer(code, tree is not None, _defines(tree, entry_point))
 
 
-def _tree(code: str) -> ast.Module | None:
+def parsed(code: str) -> ast.Module | None:
+    """`code`'s syntax tree, or None when it is not Python: a NUL byte (ValueError on older Pythons) and nesting
+    past the parser's depth (MemoryError, RecursionError) included."""
     try:
         return ast.parse(code)
-    except (SyntaxError, ValueError):  # a NUL byte: older Pythons raise ValueError
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gptforge.runtime.sandbox import HIDDEN, REFUSAL_MARK
 from gptforge.tasks.builtin import Task
-from gptforge.tasks.reply import answer
+from gptforge.tasks.reply import answer, parsed
 
 SANDBOX = Path(__file__).parents[1] / "runtime" / "sandbox.py"
 HARNESS = Path(__file__).with_name("harness.py")
@@ -102,9 +102,8 @@ def score_reply(task: Task, reply: str, timeout: float = 5.0, memory_bytes: int 
 def compare(test: str) -> tuple[str, object] | None:
     """(the call's source, the literal it must equal) for `assert CALL == LITERAL` or `assert LITERAL == CALL`;
     None for any other test."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError):
+    tree = parsed(test)
+    if tree is None:
         return None
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
         return None

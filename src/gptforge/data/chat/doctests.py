@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from gptforge.data.pipeline import is_validation
 from gptforge.tasks.builtin import SPLITS, Task
+from gptforge.tasks.reply import parsed
 from gptforge.tasks.score import score_replies
 
 DOCTESTS = "doctests:"  # a task source that names a corpus: doctests:stdlib, doctests:FOLDER
@@ -36,9 +37,8 @@ def doctest_tasks(
 
 
 def _file_tasks(name: str, text: str) -> list[Task]:
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    tree = parsed(text)
+    if tree is None:
         return []
     lines = text.splitlines(keepends=True)
     imports = "".join(f"{ast.unparse(n)}\n" for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom))

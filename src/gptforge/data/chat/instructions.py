@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gptforge.data.pipeline import is_validation
 from gptforge.tasks.builtin import builtin_tasks
+from gptforge.tasks.reply import parsed
 from gptforge.tokens.chat import Message
 
 TASK_SOURCE = "builtin:"  # how a built-in task's row names its source
@@ -37,9 +38,8 @@ def function_tasks(documents: Iterable[tuple[str, str]]) -> Iterator[FunctionTas
     """Conversations from every documented function of `documents` ((name, Python source) pairs) that parses and
     is short enough; in source order."""
     for doc_name, text in documents:
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
+        tree = parsed(text)
+        if tree is None:
             continue
         lines = text.splitlines(keepends=True)
         functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -97,8 +97,7 @@ def _task(doc_name: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunc
 
 def defines_function(reply: str, name: str) -> bool:
     """The reply parses as Python and defines a function called `name` (the measure of a fine-tuned reply)."""
-    try:
-        tree = ast.parse(reply)
-    except (SyntaxError, ValueError):
-        return False
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in ast.walk(tree))
+    tree = parsed(reply)
+    return tree is not None and any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in ast.walk(tree)
+    )
