@@ -164,3 +164,13 @@ def test_a_value_equal_to_everything_fails_a_literal_on_either_side_and_odd_byte
     assert score_reply(ADD, fenced(always)).passed == 0
     odd = "import os\ndef add(a, b):\n    os.write(1, b'\\n0 \\xff\\xfe\\n')\n    return a + b\n"
     assert score_reply(ADD, fenced(odd)).solved
+
+
+def test_values_match_with_exact_types_in_sets_dict_keys_and_a_zero_s_sign():
+    from gptforge.tasks.score import same
+
+    assert same({1, (2, 3.0)}, {1, (2, 3.0)}) and same({"a": {1}}, {"a": {1}}) and same(frozenset({1}), frozenset({1}))
+    assert same({(1, 2): [0.5]}, {(1, 2): [0.5]}) and same(-0.0, -0.0) and same(2.0, 2.0)
+    assert not same({True}, {1}) and not same({(True,)}, {(1,)}) and not same(frozenset({1.0}), frozenset({1}))
+    assert not same({True: 1}, {1: 1}) and not same({1: True}, {1: 1}) and not same({1: 1, 2: 2}, {1: 1})
+    assert not same(-0.0, 0.0) and not same(0.0, -0.0) and not same([-0.0], [0.0]) and not same(1, 1.0)

@@ -119,15 +119,30 @@ def compare(test: str) -> tuple[str, object] | None:
 
 
 def same(got: object, want: object) -> bool:
-    """`got == want` for the builtin values a literal can hold, the types exact at every level."""
+    """`got == want` for the builtin values a literal can hold, the types exact at every level: set members and
+    dict keys too (`{True}` is not `{1}`), and a zero's sign (`-0.0` is not `0.0`)."""
     kind = type(want)
     if type(got) is not kind:
         return False
     if kind in (list, tuple):
         return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+    if kind in (set, frozenset):
+        return {_typed(g) for g in got} == {_typed(w) for w in want}
     if kind is dict:
-        return got.keys() == want.keys() and all(same(got[k], v) for k, v in want.items())
-    return got == want  # scalars, sets: builtin values alone, as they came from literal_eval
+        keys = {_typed(k): k for k in got}
+        return len(got) == len(want) and all(
+            _typed(k) in keys and same(got[keys[_typed(k)]], v) for k, v in want.items()
+        )
+    return _typed(got) == _typed(want)
+
+
+def _typed(value: object) -> object:
+    """A hashable value's stand-in that tells apart what `==` equates: types at every level, a zero's sign."""
+    if isinstance(value, tuple | frozenset):
+        return type(value), type(value)(map(_typed, value))
+    if isinstance(value, float | complex):
+        return type(value), value, str(value)  # the text keeps -0.0 apart from 0.0
+    return type(value), value
 
 
 def _passed(line: str, parts: tuple[str, object] | None) -> bool:
