@@ -191,13 +191,13 @@ def test_column_major_weights_decode_the_same_tokens_and_keep_the_tied_table_one
     assert [s.ids for s in again] == [s.ids for s in reference]
 
 
-def test_past_torch_s_limit_of_compiled_graphs_the_step_runs_eagerly(monkeypatch):
+def test_past_torch_s_limit_of_compiled_graphs_the_step_runs_eagerly():
     """A server decodes batches of many sizes for several models: past the limit the step must go on, not fail."""
     import torch._dynamo.config
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model = tiny(MODERN)
-    for rows in (1, 2, 4):
-        seqs = [Sequence(list(p), 5) for p in PROMPTS[:rows]]
-        Engine(model, rows=rows, decode="compiled").run(*seqs)
-        assert [s.ids for s in seqs] == [naive_greedy(model, p, 5) for p in PROMPTS[:rows]]
+    with torch._dynamo.config.patch(recompile_limit=1):  # a monkeypatch's undo deleted the option for later tests
+        for rows in (1, 2, 4):
+            seqs = [Sequence(list(p), 5) for p in PROMPTS[:rows]]
+            Engine(model, rows=rows, decode="compiled").run(*seqs)
+            assert [s.ids for s in seqs] == [naive_greedy(model, p, 5) for p in PROMPTS[:rows]]
