@@ -161,7 +161,7 @@ def measure(candidates: list, cases: list[tuple[list[int], int, int]], rounds: i
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a run or checkpoint; or --preset NAME for random weights of its shape")
     parser.add_argument("--preset", help="time a freshly initialised model of this preset (GPT-2 BPE) instead")
@@ -176,7 +176,11 @@ def main() -> None:
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = resolve_device(args.device, "--device"), getattr(torch, args.dtype)
     if args.preset:  # speed does not depend on the weights: a GPU machine needs no trained checkpoint

@@ -63,10 +63,9 @@ PY
     for run in /tmp/speedrun/*-seed*; do cp "$run/metrics.jsonl" "$out/$(basename "$run").jsonl"; done
     ;;
 decode)
-    for mode in rows compiled; do
-        timeout 240 python3 benchmarks/decode.py - --preset gpt2-124m --device cuda --dtype bfloat16 --decode "$mode" \
-            --no-llama --new-tokens 256 --batches 1,8,32 --json "$out/decode-$mode.json" 2>&1 | grep -v -e DEBUG -e Warn
-    done
+    timeout 480 python3 benchmarks/decode.py - --preset gpt2-124m --device cuda --dtype bfloat16 \
+        --ours float:rows,float:compiled --no-llama --new-tokens 256 --batches 1,8,32 --json "$out/decode.json" 2>&1 \
+        | grep -v -e DEBUG -e Warn
     ;;
 profile)
     python3 benchmarks/profile_step.py --config "${PRESET:-gpt2-124m}" --steps 3 --warmup 3 \

@@ -269,6 +269,24 @@ def test_the_decode_benchmark_runs_on_the_engine(runs_dir, tmp_path):
     }
 
 
+def test_the_gpu_script_s_decode_runs_pass_the_decode_benchmark_s_flags():
+    """benchmarks/gpu.sh runs only where a GPU is lent: a flag the benchmark no longer takes would waste that turn."""
+    import importlib.util
+    import re
+    import shlex
+
+    root = Path(__file__).parents[2]
+    spec = importlib.util.spec_from_file_location("decode_bench", root / "benchmarks" / "decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    script = (root / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
+    calls = re.findall(r"benchmarks/decode\.py (.*?) 2>&1", script)
+    assert calls
+    for call in calls:
+        args = bench.parse_args(shlex.split(call))
+        assert bench.variants(args.ours) and args.device == "cuda"
+
+
 @pytest.mark.parametrize("stop", ["im_end", "im_start"])
 def test_a_chat_reply_ends_at_its_turns_end_or_where_the_model_opens_another(run, monkeypatch, stop):
     """A reply ran on past a generated <|im_start|>, whose text came back as the reply's."""
