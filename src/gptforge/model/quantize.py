@@ -24,11 +24,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", (w / scale[:, None]).round().to(torch.int8))
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.in_features, self.out_features = weight.size(1), weight.size(0)
+        # torch's int8 x bf16 CPU kernel reads the int8 weight as it is; it takes rows of 16n values (others crashed)
+        self.packed = self.in_features % 16 == 0 and hasattr(torch, "_weight_int8pack_mm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        # torch's int8 x bf16 kernel reads the int8 weight as it is; it takes rows of 16n values (others crashed)
-        if x.device.type == "cpu" and self.in_features % 16 == 0 and hasattr(torch, "_weight_int8pack_mm"):
+        if self.packed and x.device.type == "cpu":
             y = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scale)
         else:
             y = rows @ (self.qweight.to(torch.bfloat16) * self.scale[:, None]).t()
