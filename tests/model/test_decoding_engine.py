@@ -201,3 +201,13 @@ def test_past_torch_s_limit_of_compiled_graphs_the_step_runs_eagerly():
             seqs = [Sequence(list(p), 5) for p in PROMPTS[:rows]]
             Engine(model, rows=rows, decode="compiled").run(*seqs)
             assert [s.ids for s in seqs] == [naive_greedy(model, p, 5) for p in PROMPTS[:rows]]
+
+
+def test_a_padding_row_left_by_a_sequence_starts_over_each_step():
+    """4 rows, the last leaves early: the 3 left decode as 4, the fourth a padding row whose old position must not
+    run on past the context."""
+    model = tiny(MODERN)
+    prompts, budgets = [[1, 2], [3], [4, 5, 6], list(range(7, 25))[:19]], [12, 12, 12, 2]
+    seqs = [Sequence(list(p), n) for p, n in zip(prompts, budgets, strict=True)]
+    Engine(model, rows=4, decode="static").run(*seqs)
+    assert [s.ids for s in seqs] == [naive_greedy(model, p, n) for p, n in zip(prompts, budgets, strict=True)]
