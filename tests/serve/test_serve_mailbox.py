@@ -20,12 +20,34 @@ def test_events_posted_from_threads_arrive_in_order_with_one_wake_up_per_burst()
             worker = threading.Thread(target=lambda posts=posts: [box.post(queues[i % 2], i) for i in posts])
             worker.start()
             worker.join()
-            loop.run_until_complete(asyncio.sleep(0))
+            loop.run_until_complete(asyncio.sleep(3 * box.tick))  # delivered, and a quiet tick after it
             for parity, queue in enumerate(queues):
                 assert [queue.get_nowait() for _ in range(50)] == [i for i in posts if i % 2 == parity]
                 assert queue.empty()
             assert len(wake_ups) == burst + 1  # the loop was busy: one delivery took the whole burst
         assert mailbox(loop) is mailbox(loop) and mailbox(loop) is not box
+    finally:
+        loop.close()
+
+
+def test_events_posted_within_a_tick_of_a_delivery_wait_for_it_and_a_quiet_tick_lets_the_next_wake_the_loop():
+    loop = asyncio.new_event_loop()
+    try:
+        box, queue, wake_ups = Mailbox(loop, tick=0.05), asyncio.Queue(), []
+        schedule = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda callback, *args: (wake_ups.append(callback), schedule(callback, *args))
+        box.post(queue, "first")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queue.get_nowait() == "first" and len(wake_ups) == 1  # a quiet mailbox delivers at once
+        box.post(queue, "second", "third")
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert queue.empty() and len(wake_ups) == 1  # held for the tick, with no wake-up of its own
+        loop.run_until_complete(asyncio.sleep(0.06))
+        assert [queue.get_nowait(), queue.get_nowait()] == ["second", "third"] and len(wake_ups) == 1
+        loop.run_until_complete(asyncio.sleep(0.06))  # a tick with nothing: the timer stops
+        box.post(queue, "fourth")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queue.get_nowait() == "fourth" and len(wake_ups) == 2
     finally:
         loop.close()
 
@@ -53,3 +75,12 @@ def test_a_plain_answer_wakes_the_loop_at_its_end_and_a_stream_at_each_piece(run
                 streamed[choice["index"]] += choice["text"]
     assert len(deliveries) >= 8
     assert [c["text"] for c in answer["choices"]] == streamed and streamed[0] != streamed[1]
+
+
+def test_a_burst_goes_out_as_one_piece_for_each_run_of_a_choices_text():
+    from gptforge.serve.api import _merged
+    from gptforge.serve.jobs import Done, Finish, Started, Text
+
+    started, finish, done = Started("fp", "m"), Finish(0, "stop"), Done({})
+    burst = [started, Text(0, "a"), Text(0, "b"), Text(1, "c"), Text(1, "d"), Text(0, "e"), finish, Text(0, "f"), done]
+    assert _merged(burst) == [started, Text(0, "ab"), Text(1, "cd"), Text(0, "e"), finish, Text(0, "f"), done]

@@ -271,12 +271,13 @@ def _by_length(seqs: list[Sequence], block: int) -> list[list[Sequence]]:
 def _compiled_step(device_type: str) -> Callable:
     """`forward_logits` compiled once per process and device type (each batch size and model shape a graph of its
     own); on CUDA captured in CUDA graphs, as the step is launch-bound there. On CPU without inductor's checks of
-    each input's size and stride, which Dynamo's guards have made already: 12% of the demo model's step. Not
+    each input's size and stride, which Dynamo's guards have made already (12% of the demo model's step), and
+    with its kernels called from C++, not Python (8%). Not
     fullgraph: past torch's limit of graphs a function (8: a few models' batch sizes) the step runs eagerly, where
     fullgraph failed every request of a server from then on."""
     if device_type == "cuda":
         return torch.compile(forward_logits, dynamic=False, mode="reduce-overhead")
-    return torch.compile(forward_logits, dynamic=False, options={"size_asserts": False})
+    return torch.compile(forward_logits, dynamic=False, options={"size_asserts": False, "cpp_wrapper": True})
 
 
 @torch.no_grad()

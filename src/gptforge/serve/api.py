@@ -182,13 +182,26 @@ async def _events(engine: Engine, req: CompletionRequest, request: Request) -> A
     watcher = asyncio.create_task(_watch_disconnect(request, job.cancel, queue))
     try:
         while True:
-            event = await queue.get()
-            yield event
-            if isinstance(event, (Done, Failed)):
-                return
+            for event in _merged([await queue.get(), *(queue.get_nowait() for _ in range(queue.qsize()))]):
+                yield event
+                if isinstance(event, (Done, Failed)):
+                    return
     finally:
         job.cancel.set()
         watcher.cancel()
+
+
+def _merged(events: list[Event]) -> list[Event]:
+    """One Text for each run of a choice's pieces that arrived together: a stream's chunk (its JSON, its write,
+    the client's parse) for each, not for each token."""
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, Text) and isinstance(last, Text) and last.index == event.index:
+            out[-1] = Text(event.index, last.piece + event.piece)
+        else:
+            out.append(event)
+    return out
 
 
 async def _watch_disconnect(request: Request, cancel: threading.Event, queue: asyncio.Queue) -> None:
