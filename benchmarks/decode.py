@@ -71,14 +71,20 @@ class Served:
         self.model = json.load(urllib.request.urlopen(f"{self.url}/v1/models", timeout=60))["data"][0]["id"]
 
     def decode(self, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
-        """As Ours; a reply that ends early (the model's end of text) is timed over the tokens it has."""
+        """As Ours: the first token is the whole of a one-token request, the rest what the full request takes
+        longer (a stream's first chunk may hold several tokens, so its arrival is not the first token's). Each
+        follows a one-token request, so neither pays for waking a server idle while the others ran. A reply
+        that ends early (the model's end of text) is timed over the tokens it has."""
         from serve import post
 
-        body = {"model": self.model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True}
+        body = {"model": self.model, "prompt": prompt, "temperature": 0, "stream": True}
         body["stream_options"] = {"include_usage": True}
-        total, first, tokens, status = post(self.url, body)
-        if status != 200 or tokens < 2:
-            raise SystemExit(f"{self.name}: HTTP {status}, {tokens} tokens")
+        post(self.url, {**body, "max_tokens": 1})
+        first, _, one, status = post(self.url, {**body, "max_tokens": 1})
+        post(self.url, {**body, "max_tokens": 1})
+        total, _, tokens, status_all = post(self.url, {**body, "max_tokens": new})
+        if status != 200 or status_all != 200 or one != 1 or tokens < 2:
+            raise SystemExit(f"{self.name}: HTTP {status}/{status_all}, {one}/{tokens} tokens")
         return first, (total - first) * (new - 1) / (tokens - 1)
 
     def close(self) -> None:

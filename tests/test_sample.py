@@ -48,3 +48,15 @@ def test_an_infilled_middle_shows_in_reverse_video_on_a_terminal_and_plain_when_
         f"--- sample 0\n{PREFIX}{SUFFIX}\n"
     )
     assert REVERSE not in "".join(printed(monkeypatch, fim_run, Terminal()))  # a continuation has no middle to mark
+
+
+def test_the_pieces_add_up_to_the_reply_a_cut_character_waits_and_one_cut_at_the_end_shows(monkeypatch, fim_run):
+    tok = fim_run.tokenizer
+    byte = {
+        b: next(i for i in range(256) if tok.base._enc.decode_single_token_bytes(i) == bytes([b]))
+        for b in b"\xc3\xa9\xe2"
+    }
+    ids = [*tok.encode("x ="), byte[0xC3], byte[0xA9], *tok.encode(" y"), byte[0xE2]]  # é whole, then € cut short
+    monkeypatch.setattr(gptforge.sample, "stream", lambda *args, **kwargs: iter(torch.tensor([i]) for i in ids))
+    pieces = list(gptforge.sample.reply_pieces(fim_run, [0], (len(ids),)))
+    assert "".join(pieces) == "x =é y\ufffd" and pieces[-1] == "\ufffd"  # é's first byte waited for its second

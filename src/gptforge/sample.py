@@ -16,6 +16,7 @@ from gptforge.model.generate import stream
 from gptforge.runtime.device import autocast
 from gptforge.tokens.chat import Message, chat_template, format_chat
 from gptforge.tokens.fim import FIMTokenizer, end_ids, infill_prompt
+from gptforge.tokens.text_stream import TextStream
 
 # How an infilled middle stands out on a terminal: reverse video, an attribute rather than characters, so what is
 # copied from the screen is the code itself. Piped output stays the plain text.
@@ -97,21 +98,18 @@ def _pieces(
 def reply_pieces(run: Inference, ids: list[int], steps: tuple) -> Iterator[str]:
     """The text generated after `ids`, in printable pieces as tokens arrive, up to an end token (EOT, an infill's
     sentinel, a chat turn's end) or `steps[0]` tokens."""
-    tok, ends = run.tokenizer, end_ids(run.tokenizer)
-    new: list[int] = []
-    shown = ""
+    ends, text = end_ids(run.tokenizer), TextStream(run.tokenizer)
+    shown = 0
     tokens = stream(run.model, ids, *steps, decode=run.decoding.step)
     while True:
         with autocast(run.device, run.dtype):  # around the model only, not around our caller's code
             nxt = next(tokens, None)
         if nxt is None or int(nxt) in ends:
             break
-        new.append(int(nxt))
-        text = tok.decode(new)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            yield text[len(shown) :]
-            shown = text
-    yield tok.decode(new)[len(shown) :]
+        if text.add(int(nxt)):  # else wait for the rest of a multi-byte character
+            yield text.text[shown:]
+            shown = len(text.text)
+    yield text.whole()[shown:]
 
 
 def _reverse(text: str) -> str:

@@ -51,6 +51,13 @@ def test_held_text_is_released_when_the_stop_does_not_follow_and_a_cut_character
     assert text.end("length") == "#" and text.finish_reason == "length" and text.text == "x#y€#"
 
 
+def test_a_character_cut_at_the_end_ends_the_text_as_a_replacement_character():
+    euro = "€".encode()
+    text = Continuation(Pieces(b"x", euro[:1], euro[1:2]), [])
+    assert feed(text, [0, 1, 2]) == ["x", "", ""]
+    assert text.end("length") == "\ufffd" and text.text == "x\ufffd"
+
+
 def completion(engine: Engine, body: dict, deadline: float | None = None) -> list[Event]:
     """Run one request to its end; its events."""
     events: list[Event] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gptforge.tokens.text_stream import TextStream
 from gptforge.tokens.tokenizer import Tokenizer
 
 
@@ -10,8 +11,9 @@ class Continuation:
     the start of a stop sequence, so streamed pieces always add up to the final text."""
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
+        self.stop = stop
+        self.decoded = TextStream(tokenizer)
+        self.ids = self.decoded.ids
         self.text = ""
         self.sent = 0  # characters of self.text already handed out
         self.finish_reason: str | None = None
@@ -19,10 +21,9 @@ class Continuation:
 
     def add(self, token: int) -> str:
         """The text to send after `token`; sets finish_reason 'stop' when a stop sequence appears."""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
+        if not self.decoded.add(token):  # the rest of a multi-byte character is still to come
             return ""
+        text = self.decoded.text
         found = [(i, s) for i, s in ((text.find(s, self.sent), s) for s in self.stop) if i >= 0]
         if found:
             cut, self.stop_word = min(found)
@@ -34,7 +35,7 @@ class Continuation:
     def end(self, reason: str) -> str:
         """The rest of the text (a cut multi-byte character included), ending with `reason`."""
         if self.finish_reason is None:
-            self.text = self.tokenizer.decode(self.ids) if self.ids else self.text
+            self.text = self.decoded.whole() if self.ids else self.text
             self.finish_reason = reason
         return self._release(len(self.text))
 
