@@ -1,6 +1,9 @@
 """The decoding engine under every caller: each sequence writes what it writes alone and what a naive loop over
 the whole window writes, one token a step, whatever joins or leaves the batch beside it."""
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -211,3 +214,35 @@ def test_a_padding_row_left_by_a_sequence_starts_over_each_step():
     seqs = [Sequence(list(p), n) for p, n in zip(prompts, budgets, strict=True)]
     Engine(model, rows=4, decode="static").run(*seqs)
     assert [s.ids for s in seqs] == [naive_greedy(model, p, n) for p, n in zip(prompts, budgets, strict=True)]
+
+
+class Negated(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -super().forward(x)
+
+
+def test_models_alike_but_where_no_tensor_shows_decode_compiled_each_as_itself():
+    """Models of one structure share a compiled step whose guards on their modules are skipped: one that differs
+    only where no tensor's shape shows (its config, a module's attribute or class, its weights' layout, a hook)
+    gets its own graphs, and another model of the same structure decodes with its own weights."""
+    relu2, gelu, again = tiny(MODERN), tiny({**MODERN, "mlp": "gelu"}), tiny(MODERN)
+    with torch.no_grad():
+        for p in again.parameters():
+            p.normal_(0, 0.4)  # a later checkpoint of relu2's run, say
+    narrow = tiny(MODERN)
+    narrow.config = dataclasses.replace(narrow.config, vocab_size=60)  # the same padded table: logits cut at 60
+    loose, swapped, hooked = tiny(MODERN), tiny(MODERN), tiny(MODERN)
+    for module in loose.modules():
+        if hasattr(module, "eps"):
+            module.eps = 10.0
+    swapped.lm_head.__class__ = Negated
+    hooked.lm_head.register_forward_hook(lambda module, args, out: out.roll(1, dims=-1))
+    models = [relu2, gelu, again, narrow, loose, swapped, hooked, column_major(copy.deepcopy(again))]
+    expected = [naive_greedy(m, PROMPTS[0], 8) for m in models]
+    assert len({tuple(e) for e in expected}) == len(models) - 1  # all differ but the laid-out copy
+    assert Engine(relu2, decode="compiled")._decode is Engine(again, decode="compiled")._decode  # one compile
+    for _ in range(2):  # each model after every other has compiled
+        for model, want in zip(models, expected, strict=True):
+            seq = Sequence(list(PROMPTS[0]), 8)
+            Engine(model, rows=1, decode="compiled").run(seq)
+            assert seq.ids == want
