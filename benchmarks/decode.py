@@ -171,18 +171,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a run or checkpoint; or --preset NAME for random weights of its shape")
     parser.add_argument("--preset", help="time a freshly initialised model of this preset (GPT-2 BPE) instead")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--threads", type=_at_least(1), default=2)
+    parser.add_argument("--new-tokens", type=_at_least(2), default=128, help="at most half the context (cut to it)")
+    parser.add_argument("--rounds", type=_at_least(1), default=3)
+    parser.add_argument("--batches", type=_sizes, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--ours", default="float:rows", help="the engine's WEIGHTS:STEP variants, comma-separated")
-    parser.add_argument("--serve", default="", help="`gptforge serve`'s WEIGHTS:STEP variants (default none)")
+    parser.add_argument("--ours", type=_variants, default=[Decoding()], help="the engine's WEIGHTS:STEP variants")
+    parser.add_argument("--serve", type=_variants, default=[], help="`gptforge serve`'s WEIGHTS:STEP variants")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", type=Path)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.json is not None and not args.json.parent.is_dir():  # found out before the run, not after it
+        parser.error(f"--json {args.json}: its folder does not exist")
+    return args
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text}: must be at least {low}")
+        return value
+
+    return parse
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [_at_least(1)(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes like 1,8,32") from None
+    return sizes
+
+
+def _variants(text: str) -> list[Decoding]:
+    """'float:rows,int8:compiled' as Decodings: WEIGHTS:STEP, comma-separated, at least one."""
+    parts = text.split(",")
+    if not all(part.count(":") == 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WEIGHTS:STEP, comma-separated, e.g. int8:compiled")
+    try:
+        return [Decoding(*part.split(":")) for part in parts]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main() -> None:
@@ -198,7 +230,7 @@ def main() -> None:
     new = min(args.new_tokens, block // 2)
     short = tok.encode(PROMPT)
     long = (tok.encode(PROMPT * 64))[: block // 2]
-    cases = [(short, new, b) for b in map(int, args.batches.split(","))] + [(long, new, 1)]
+    cases = [(short, new, b) for b in args.batches] + [(long, new, 1)]
     candidates: list = []
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_llama and device.type == "cpu":
@@ -212,12 +244,12 @@ def main() -> None:
 
             candidates.append(Transformers(export_hf(model, tok, Path(tmp) / "hf"), device, dtype))
         ours = []
-        for decoding in variants(args.ours):
+        for decoding in args.ours:
             copied = quantize_int8(copy.deepcopy(model)) if decoding.weights == "int8" else copy.deepcopy(model)
             if device.type == "cpu":  # as `load_for_inference` lays them out for sample, chat and serve
                 column_major(copied)
             ours.append(Ours(copied, dtype, decoding))
-        served = [Served(str(args.checkpoint), d, args.threads, args.dtype) for d in variants(args.serve)]
+        served = [Served(str(args.checkpoint), d, args.threads, args.dtype) for d in args.serve]
         candidates = ours + served + candidates
         try:
             # Warm-up: first calls allocate and load kernels, and a compiled step compiles at each batch size.
@@ -231,7 +263,10 @@ def main() -> None:
         for name, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
     report = {
-        "variants": {"ours": args.ours, "serve": args.serve},
+        "variants": {
+            key: ",".join(f"{d.weights}:{d.step}" for d in ds)
+            for key, ds in (("ours", args.ours), ("serve", args.serve))
+        },
         "checkpoint": args.preset or str(args.checkpoint),
         "step": meta["step"],
         "parameters": model.num_params(),
@@ -252,11 +287,6 @@ def main() -> None:
     print(f"host matmul peaks on {args.threads} threads: {peaks['fp32']} GFLOP/s fp32, {peaks['bf16']} bf16")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-
-
-def variants(spec: str) -> list[Decoding]:
-    """'float:rows,int8:compiled' as Decodings."""
-    return [Decoding(*part.split(":")) for part in spec.split(",") if part]
 
 
 if __name__ == "__main__":

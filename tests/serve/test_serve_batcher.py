@@ -269,22 +269,51 @@ def test_the_decode_benchmark_runs_on_the_engine(runs_dir, tmp_path):
     }
 
 
-def test_the_gpu_script_s_decode_runs_pass_the_decode_benchmark_s_flags():
+def test_the_gpu_script_s_decode_runs_pass_the_decode_benchmark_s_flags(tmp_path):
     """benchmarks/gpu.sh runs only where a GPU is lent: a flag the benchmark no longer takes would waste that turn."""
-    import importlib.util
     import re
     import shlex
 
-    root = Path(__file__).parents[2]
-    spec = importlib.util.spec_from_file_location("decode_bench", root / "benchmarks" / "decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    script = (root / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
+    bench = _decode_bench()
+    script = (Path(__file__).parents[2] / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
     calls = re.findall(r"benchmarks/decode\.py (.*?) 2>&1", script)
     assert calls
     for call in calls:
-        args = bench.parse_args(shlex.split(call))
-        assert bench.variants(args.ours) and args.device == "cuda"
+        args = bench.parse_args(shlex.split(call.replace("$out", str(tmp_path))))
+        assert args.ours and args.device == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--batches", "0"], "at least 1"),
+        (["--batches", "1,x"], "expected batch sizes"),
+        (["--rounds", "0"], "at least 1"),
+        (["--threads", "0"], "at least 1"),
+        (["--new-tokens", "1"], "at least 2"),
+        (["--ours", "int9:compiled"], "weights='int9'"),
+        (["--serve", "float:xyz"], "decode='xyz'"),
+        (["--ours", ","], "expected WEIGHTS:STEP"),
+        (["--serve", "int8:compiled:x"], "expected WEIGHTS:STEP"),
+        (["--json", "/nonexistent/dir/x.json"], "its folder does not exist"),
+    ],
+)
+def test_the_decode_benchmark_refuses_bad_flags_in_one_line(flags, said, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _decode_bench().parse_args(["runs/demo", *flags])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and said in error, error
+
+
+def _decode_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "decode_bench", Path(__file__).parents[2] / "benchmarks" / "decode.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 @pytest.mark.parametrize("stop", ["im_end", "im_start"])

@@ -58,6 +58,13 @@ def test_a_character_cut_at_the_end_ends_the_text_as_a_replacement_character():
     assert text.end("length") == "\ufffd" and text.text == "x\ufffd"
 
 
+def test_a_stop_sequence_completed_by_a_character_cut_at_the_end_still_stops_the_text():
+    euro = "€".encode()
+    text = Continuation(Pieces(b"ab", euro[:1]), ["b\ufffd"])
+    assert feed(text, [0, 1]) == ["a", ""]  # 'b' is held: it may start the stop sequence
+    assert text.end("length") == "" and (text.text, text.finish_reason, text.stop_word) == ("a", "stop", "b\ufffd")
+
+
 def completion(engine: Engine, body: dict, deadline: float | None = None) -> list[Event]:
     """Run one request to its end; its events."""
     events: list[Event] = []

@@ -23,21 +23,27 @@ class Continuation:
         """The text to send after `token`; sets finish_reason 'stop' when a stop sequence appears."""
         if not self.decoded.add(token):  # the rest of a multi-byte character is still to come
             return ""
-        text = self.decoded.text
+        return self._upto(self.decoded.text, final=False)
+
+    def end(self, reason: str) -> str:
+        """The rest of the text (a cut multi-byte character included), ending with `reason`; or at a stop sequence
+        that the rest completes ('stop')."""
+        if self.finish_reason is not None:
+            return self._release(len(self.text))
+        piece = self._upto(self.decoded.whole(), final=True)
+        self.finish_reason = self.finish_reason or reason
+        return piece
+
+    def _upto(self, text: str, final: bool) -> str:
+        """Take `text` as the text so far: cut at the first stop sequence in it, else held back by any tail that
+        could start one (unless `final`); the part not sent yet."""
         found = [(i, s) for i, s in ((text.find(s, self.sent), s) for s in self.stop) if i >= 0]
         if found:
             cut, self.stop_word = min(found)
             self.text, self.finish_reason = text[:cut], "stop"
             return self._release(cut)
         self.text = text
-        return self._release(len(text) - self._held(text))
-
-    def end(self, reason: str) -> str:
-        """The rest of the text (a cut multi-byte character included), ending with `reason`."""
-        if self.finish_reason is None:
-            self.text = self.decoded.whole() if self.ids else self.text
-            self.finish_reason = reason
-        return self._release(len(self.text))
+        return self._release(len(text) if final else len(text) - self._held(text))
 
     def _held(self, text: str) -> int:
         """Length of the longest tail of `text` that a stop sequence starts with."""
