@@ -3,6 +3,7 @@
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -52,6 +53,40 @@ def test_events_posted_within_a_tick_of_a_delivery_wait_for_it_and_a_quiet_tick_
         loop.close()
 
 
+def test_an_urgent_event_goes_at_once_with_those_held_before_it_and_the_tick_keeps_its_time():
+    loop = asyncio.new_event_loop()
+    try:
+        box, queue = Mailbox(loop, tick=0.05), asyncio.Queue()
+        box.post(queue, "first")
+        loop.run_until_complete(asyncio.sleep(0))
+        first_tick = box.timer
+        box.post(queue, "held")
+        box.post(queue, "end", urgent=True)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert [queue.get_nowait() for _ in range(3)] == ["first", "held", "end"]
+        assert box.timer is first_tick and not first_tick.cancelled()  # the tick keeps its time: one at a time
+    finally:
+        loop.close()
+
+
+def test_a_stream_s_first_text_and_a_request_s_end_do_not_wait_for_the_tick(runs_dir, monkeypatch):
+    """A slow tick shows it: the first piece (the time to first token) and the end come at once."""
+    testclient = pytest.importorskip("starlette.testclient")
+    import gptforge.serve.mailbox
+    from gptforge.serve.app import build_app
+
+    monkeypatch.setattr(gptforge.serve.mailbox, "TICK", 30.0)
+    client = testclient.TestClient(build_app(runs_dir))
+    body = {"model": "alpha", "prompt": "def f", "max_tokens": 8, "temperature": 0}
+    start = time.monotonic()
+    assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 8
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and time.monotonic() - start < 20
+    assert len([t for t in texts if t]) == 2  # the first piece alone, then the rest with the end
+
+
 def test_a_plain_answer_wakes_the_loop_at_its_end_and_a_stream_at_each_piece(runs_dir, monkeypatch):
     """A plain answer is read only whole: waking the loop for each of its tokens (a thread switch each) set a small
     model's pace under 8 clients. A stream's pieces still go out as they are made."""
@@ -59,8 +94,14 @@ def test_a_plain_answer_wakes_the_loop_at_its_end_and_a_stream_at_each_piece(run
     from gptforge.serve.app import build_app
 
     deliveries = []
-    deliver = Mailbox._deliver
-    monkeypatch.setattr(Mailbox, "_deliver", lambda box: (deliveries.append(len(box.pending)), deliver(box)))
+    flush = Mailbox._flush
+
+    def counted(box: Mailbox) -> None:
+        if box.pending:  # a delivery, not an empty tick
+            deliveries.append(len(box.pending))
+        flush(box)
+
+    monkeypatch.setattr(Mailbox, "_flush", counted)
     client = testclient.TestClient(build_app(runs_dir))
     body = {"model": "alpha", "prompt": "def f", "max_tokens": 16, "temperature": 1.0, "seed": 1, "n": 2}
     answer = client.post("/v1/completions", json=body).json()

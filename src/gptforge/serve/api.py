@@ -163,15 +163,19 @@ async def _events(engine: Engine, req: CompletionRequest, request: Request) -> A
     box, queue = mailbox(asyncio.get_running_loop()), asyncio.Queue()
     pieces: dict[int, list[str]] = {}  # a plain answer's text, and its other events, handed over with its end
     held: list[Event] = []  # Started, then the finishes
+    first_text = True
 
     def emit(event: Event) -> None:
         # Nothing reads a plain answer before its end: waking the loop for every token of every request (a thread
         # switch each) set a small model's pace with 8 clients.
+        nonlocal first_text
         if job.cancel.is_set():
             return
         if req.stream or isinstance(event, Done | Failed):
             texts = (Text(i, "".join(p)) for i, p in pieces.items())
-            box.post(queue, *held[:1], *texts, *held[1:], event)
+            urgent = isinstance(event, Done | Failed) or (first_text and isinstance(event, Text))
+            first_text = first_text and not isinstance(event, Text)
+            box.post(queue, *held[:1], *texts, *held[1:], event, urgent=urgent)
         elif isinstance(event, Text):
             pieces.setdefault(event.index, []).append(event.piece)
         else:
