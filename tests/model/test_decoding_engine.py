@@ -237,14 +237,16 @@ def test_models_alike_but_where_no_tensor_shows_decode_compiled_each_as_itself()
             module.eps = 10.0
     swapped.lm_head.__class__ = Negated
     hooked.lm_head.register_forward_hook(lambda module, args, out: out.roll(1, dims=-1))
-    others = [gelu, narrow, loose, swapped, hooked, column_major(copy.deepcopy(relu2))]
+    others = [gelu, narrow, loose, swapped, column_major(copy.deepcopy(relu2))]
     structures = [engine_module._structure(m) for m in [relu2, *others]]
     assert len(set(structures)) == len(structures) and engine_module._structure(again) == structures[0]
-    # Compiling each would take seconds: three show the shared step at work, each decoding otherwise.
-    assert len({tuple(naive_greedy(m, PROMPTS[0], 8)) for m in (relu2, gelu, again)}) == 3
+    assert engine_module._structure(hooked) is None  # the compile whose guards check every module
+    # Compiling each would take seconds: four show the steps at work, each decoding otherwise. The hooked model's
+    # compile, which guards every module, must not take the graphs whose guards skip them.
+    assert len({tuple(naive_greedy(m, PROMPTS[0], 8)) for m in (relu2, gelu, again, hooked)}) == 4
     assert Engine(relu2, decode="compiled")._decode is Engine(again, decode="compiled")._decode
     for _ in range(2):  # each model after the others have compiled
-        for model in (relu2, gelu, again):
+        for model in (relu2, gelu, again, hooked):
             seq = Sequence(list(PROMPTS[0]), 8)
             Engine(model, rows=1, decode="compiled").run(seq)
             assert seq.ids == naive_greedy(model, PROMPTS[0], 8)

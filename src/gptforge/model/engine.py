@@ -276,11 +276,10 @@ def _compiled_step(model: GPT, device_type: str) -> Callable:
     its guards on the model's modules at each call (22 -> 5 us, 7%): what they check is the structure. Not
     fullgraph: past torch's limit of graphs a function (8: a few models' batch sizes) the step runs eagerly, where
     fullgraph failed every request of a server from then on."""
-    if device_type == "cuda":
-        return _shared_step("cuda")
-    if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:  # before torch 2.13
-        return _shared_step(device_type)
     key = _structure(model)
+    # Before torch 2.13 no compile keeps its graphs to itself.
+    if device_type == "cuda" or key is None or "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+        return _shared_step(device_type)
     if key not in _STEPS:
         options = {**CPU_OPTIONS, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         _STEPS[key] = torch.compile(forward_logits, dynamic=False, options=options, isolate_recompiles=True)
@@ -299,13 +298,17 @@ def _shared_step(device_type: str) -> Callable:
     return torch.compile(forward_logits, dynamic=False, options=CPU_OPTIONS)
 
 
-def _structure(model: GPT) -> tuple:
+def _structure(model: GPT) -> tuple | None:
     """All a forward reads from `model` but its tensors' values: each module's class, plain attributes (the
-    model's config among them) and tensors' shapes, strides, dtypes and devices. Hooks make the model its own."""
+    model's config among them) and tensors' shapes, strides, dtypes and devices. None with forward hooks, which
+    only Dynamo's guards on the modules follow."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return None
     parts: list = []
     for name, module in model.named_modules():
         if module._forward_hooks or module._forward_pre_hooks:
-            return (id(model),)
+            return None
         plain = []
         for key, value in vars(module).items():
             if isinstance(value, torch.Tensor):
