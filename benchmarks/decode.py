@@ -183,14 +183,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.json is not None and not args.json.parent.is_dir():  # found out before the run, not after it
-        parser.error(f"--json {args.json}: its folder does not exist")
+    if args.json is not None and (not args.json.parent.is_dir() or args.json.is_dir()):  # before the run, not after
+        parser.error(f"--json {args.json}: a folder, or in a folder that does not exist")
     return args
 
 
 def _at_least(low: int):
     def parse(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{text}: must be at least {low}")
         return value
@@ -199,10 +202,9 @@ def _at_least(low: int):
 
 
 def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [_at_least(1)(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes like 1,8,32") from None
+    sizes = [_at_least(1)(part) for part in text.split(",")]
+    if len(set(sizes)) < len(sizes):  # one result each: a repeat would overwrite the other
+        raise argparse.ArgumentTypeError(f"{text!r}: a batch size twice")
     return sizes
 
 
@@ -211,6 +213,8 @@ def _variants(text: str) -> list[Decoding]:
     parts = text.split(",")
     if not all(part.count(":") == 1 for part in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: expected WEIGHTS:STEP, comma-separated, e.g. int8:compiled")
+    if len(set(parts)) < len(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: a variant twice")
     try:
         return [Decoding(*part.split(":")) for part in parts]
     except ValueError as e:

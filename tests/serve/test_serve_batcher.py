@@ -287,7 +287,7 @@ def test_the_gpu_script_s_decode_runs_pass_the_decode_benchmark_s_flags(tmp_path
     ("flags", "said"),
     [
         (["--batches", "0"], "at least 1"),
-        (["--batches", "1,x"], "expected batch sizes"),
+        (["--batches", "1,x"], "'x': expected a whole number"),
         (["--rounds", "0"], "at least 1"),
         (["--threads", "0"], "at least 1"),
         (["--new-tokens", "1"], "at least 2"),
@@ -295,7 +295,11 @@ def test_the_gpu_script_s_decode_runs_pass_the_decode_benchmark_s_flags(tmp_path
         (["--serve", "float:xyz"], "decode='xyz'"),
         (["--ours", ","], "expected WEIGHTS:STEP"),
         (["--serve", "int8:compiled:x"], "expected WEIGHTS:STEP"),
-        (["--json", "/nonexistent/dir/x.json"], "its folder does not exist"),
+        (["--json", "/nonexistent/dir/x.json"], "in a folder that does not exist"),
+        (["--json", "/"], "a folder"),
+        (["--threads", "x"], "expected a whole number"),
+        (["--batches", "1,1"], "a batch size twice"),
+        (["--ours", "float:rows,float:rows"], "a variant twice"),
     ],
 )
 def test_the_decode_benchmark_refuses_bad_flags_in_one_line(flags, said, capsys):
