@@ -162,7 +162,9 @@ def test_rl_needs_a_chat_model_to_start_from(tmp_path):
     settings = [f"train.init_from={chat_checkpoint(tmp_path / 'chat', block_size=128)}", "rl.tasks_per_step=1"]
     with pytest.raises(GptforgeError, match=r"rl.tasks .*long.jsonl: task .*long.jsonl:1: its request takes"):
         train_rl(load_config("rl-cpu", [*settings, f"rl.tasks={tmp_path / 'long.jsonl'}"]), tmp_path / "c")
-    assert not (tmp_path / "c" / "metrics.jsonl").exists()  # said before any evaluation or log
+    with pytest.raises(GptforgeError, match=r"rl.tasks .*missing.jsonl: cannot read"):
+        train_rl(load_config("rl-cpu", [*settings, f"rl.tasks={tmp_path / 'missing.jsonl'}"]), tmp_path / "d")
+    assert not any((tmp_path / out).exists() for out in "abcd")  # said before --out is made, let alone logged to
 
 
 def test_the_rl_command_trains_plots_and_a_second_run_into_the_folder_needs_resume(chat_ckpt, tmp_path, monkeypatch):

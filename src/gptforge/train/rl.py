@@ -106,9 +106,9 @@ def _train_rl(cfg, run_dir: Path, resume, env, device, stop: StopSignal, cleanup
     resume_from = find_resume(run_dir, resume)
     cfg = resolve_rl_config(cfg, env.world_size)
     claim_run_dir(run_dir, resume_from, [cfg.train.init_from])
+    run = _build(cfg, env, device)  # a base model or a bad rl.tasks is said before --out is made
     if env.is_main:
         cleanup.enter_context(locked(run_dir, "rl"))
-    run = _build(cfg, env, device)
     step, spent = 0, 0.0
     if resume_from:
         meta = restore_training_state(resume_from, run.model, run.optimizer, device, env)
