@@ -268,6 +268,11 @@ def _by_length(seqs: list[Sequence], block: int) -> list[list[Sequence]]:
     return list(groups.values())
 
 
+CPU_OPTIONS = {"size_asserts": False, "cpp_wrapper": True}
+ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters  # torch >= 2.13: graphs kept apart
+_STEPS: dict[tuple, Callable] = {}
+
+
 def _compiled_step(model: GPT, device_type: str) -> Callable:
     """`forward_logits` compiled (each batch size a graph of its own); on CUDA captured in CUDA graphs, as the step
     is launch-bound there. On CPU without inductor's checks of each input's size and stride, which Dynamo's guards
@@ -276,18 +281,13 @@ def _compiled_step(model: GPT, device_type: str) -> Callable:
     its guards on the model's modules at each call (22 -> 5 us, 7%): what they check is the structure. Not
     fullgraph: past torch's limit of graphs a function (8: a few models' batch sizes) the step runs eagerly, where
     fullgraph failed every request of a server from then on."""
-    key = _structure(model)
-    # Before torch 2.13 no compile keeps its graphs to itself.
-    if device_type == "cuda" or key is None or "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+    key = _structure(model) if device_type == "cpu" and ISOLATES else None
+    if key is None:
         return _shared_step(device_type)
     if key not in _STEPS:
         options = {**CPU_OPTIONS, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         _STEPS[key] = torch.compile(forward_logits, dynamic=False, options=options, isolate_recompiles=True)
     return _STEPS[key]
-
-
-CPU_OPTIONS = {"size_asserts": False, "cpp_wrapper": True}
-_STEPS: dict[tuple, Callable] = {}
 
 
 @functools.cache

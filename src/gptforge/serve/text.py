@@ -13,11 +13,14 @@ class Continuation:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self.stop = stop
         self.decoded = TextStream(tokenizer)
-        self.ids = self.decoded.ids
         self.text = ""
         self.sent = 0  # characters of self.text already handed out
         self.finish_reason: str | None = None
         self.stop_word: str | None = None  # the stop sequence that ended it, if one did
+
+    @property
+    def ids(self) -> list[int]:
+        return self.decoded.ids
 
     def add(self, token: int) -> str:
         """The text to send after `token`; sets finish_reason 'stop' when a stop sequence appears."""

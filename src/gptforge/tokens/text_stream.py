@@ -28,4 +28,4 @@ class TextStream:
 
     def whole(self) -> str:
         """All the text, a multi-byte character cut short at the end included (as a replacement character)."""
-        return self.text + self.tokenizer.decode(self.ids[self._whole :]) if self._whole < len(self.ids) else self.text
+        return self.text + self.tokenizer.decode(self.ids[self._whole :])
