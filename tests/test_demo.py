@@ -134,6 +134,7 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     data, base = _chat_demo_inputs(tmp_path, corpus_dir, monkeypatch)
     monkeypatch.setattr(gptforge.demo, "HELD_OUT_TASKS", 7)
     monkeypatch.setattr(gptforge.demo, "TRAINING_TASKS", 70)
+    monkeypatch.setattr(gptforge.demo, "DRILL_TASKS", 14)
     out = tmp_path / "runs" / "demo-chat"
     tiny = ["train.max_steps=3", "train.time_budget=0", "train.micro_batch=1", "train.batch_tokens=256", "eval.every=0"]
     tiny += ["rl.tasks_per_step=2", "rl.group=2", "rl.max_new_tokens=8", "rl.eval_tasks=0"]
@@ -146,7 +147,9 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     rows = [json.loads(line) for line in (tmp_path / "data" / "stdlib-chat.jsonl").read_text().splitlines()]
     assert {r["split"] for r in rows} == {"train", "val"} and rows[0]["messages"][0]["content"].startswith("Write a")
     tasks = [r for r in rows if r["source"].startswith("builtin:")]
-    assert len(tasks) == 77 and {r["split"] for r in tasks} == {"train", "val"}
+    assert len(tasks) == 91 and {r["split"] for r in tasks} == {"train", "val"}
+    drills = [r for r in tasks if r["source"].startswith("builtin:drill/")]  # fine-tuning data alone
+    assert len(drills) == 14 and {r["split"] for r in drills} == {"train"}
     assert read_manifest(tmp_path / "data" / "stdlib-chat")["chat"]["template"] == "chatml"
     _, tok, cfg, _ = load_checkpoint(out)
     assert cfg.train.init_from.startswith(str(base)) and cfg.data.chat_template == "chatml"
@@ -215,6 +218,8 @@ def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_anothe
 
     files = sorted(corpus_dir.glob("*.py"))[:8]
     monkeypatch.setattr(gptforge.demo, "stdlib_documents", lambda: ((f.name, f.read_text()) for f in files))
+    monkeypatch.setattr(gptforge.demo, "TRAINING_TASKS", 70)
+    monkeypatch.setattr(gptforge.demo, "DRILL_TASKS", 14)
     data, chat = tmp_path / "data" / "stdlib", tmp_path / "data" / "stdlib-chat"
     for vocab in (300, 320):  # --data prepared again with another BPE: the reused chat folder's ids meant other text
         prepare(PrepareSettings.from_flags(str(corpus_dir), train_tokenizer=vocab), data, workers=1, force=True)
@@ -222,9 +227,9 @@ def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_anothe
         assert (chat / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
         assert read_manifest(chat)["tokenizer"]["vocab_size"] == vocab
     assert "prepared with another tokenizer than --data's; preparing it again" in capsys.readouterr().out
-    rows_file = chat.with_name("stdlib-chat.jsonl")  # an earlier demo's rows, without the built-in tasks
+    rows_file = chat.with_name("stdlib-chat.jsonl")  # an earlier demo's rows, without the drills
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
-    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows if not r["source"].startswith("builtin:")))
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows if not r["source"].startswith("builtin:drill/")))
     settings = ChatSettings(tokenizer=str(data / "tokenizer.json"), val_fraction=0.0)
     prepare_chat(str(rows_file), chat, settings, force=True)
     older = read_manifest(chat)["splits"]["train"]["docs"]

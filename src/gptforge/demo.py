@@ -22,7 +22,7 @@ from gptforge.checkpoint import (
 )
 from gptforge.config import config_from_dict, load_config
 from gptforge.data.chat.doctests import VAL_FRACTION  # the held-out files give held-out mined tasks too
-from gptforge.data.chat.instructions import TASK_SOURCE, conversation_rows, task_rows
+from gptforge.data.chat.instructions import DRILL_SOURCE, conversation_rows, task_rows
 from gptforge.data.chat.prepare import ChatSettings, prepare_chat
 from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
@@ -169,6 +169,7 @@ CHAT_PRESET = "chat-cpu"
 RL_PRESET = "rl-cpu"
 HELD_OUT_TASKS = 70  # built-in held-out tasks scored at each stage of the chat demo: 10 of each family
 TRAINING_TASKS = 4000  # built-in training tasks among its conversations (prepare keeps one of each repeat)
+DRILL_TASKS = 4000  # and training-only drills, where the answer is a value of the request copied into code
 STAGES = {"base": "the base model (each request as comments)", "sft": "after fine-tuning", "rl": "after RL"}
 
 
@@ -278,14 +279,14 @@ def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
     """`data/stdlib-chat.jsonl` (a request for each documented function of the stdlib, answered with its source,
     in its file's split; and the built-in tasks, answered with their reference solutions) and the chat folder
     prepared from it; both reused when present, the folder prepared again once --data's tokenizer changed, both
-    written again where an earlier version of the demo wrote them without the tasks."""
+    written again where an earlier version of the demo wrote them without the tasks or the drills."""
     rows_file = chat_data.with_name(f"{chat_data.name}.jsonl")
     older = rows_file.is_file() and not any(
-        str(row.get("source", "")).startswith(TASK_SOURCE) for _, row in read_jsonl(rows_file)
+        str(row.get("source", "")).startswith(DRILL_SOURCE) for _, row in read_jsonl(rows_file)
     )
     if not rows_file.is_file() or older:
         rows = itertools.chain(
-            conversation_rows(stdlib_documents(), VAL_FRACTION), task_rows(TRAINING_TASKS, HELD_OUT_TASKS)
+            conversation_rows(stdlib_documents(), VAL_FRACTION), task_rows(TRAINING_TASKS, HELD_OUT_TASKS, DRILL_TASKS)
         )
         atomic_write(rows_file, "".join(to_json(row) + "\n" for row in rows))
     stale = (chat_data / MANIFEST).is_file() and (older or _other_tokenizer(chat_data, data_dir, rows_file))

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from gptforge.eval.humaneval import run_programs
-from gptforge.tasks.builtin import FAMILIES, OPENERS, TESTS_PER_TASK, builtin_tasks
+from gptforge.tasks.builtin import DRILLS, FAMILIES, OPENERS, TESTS_PER_TASK, builtin_tasks, drill_tasks
 
 
 def test_the_same_seed_gives_the_same_tasks_and_another_seed_others():
@@ -48,8 +48,27 @@ def test_held_out_tasks_share_no_phrasing_and_no_parameters_with_training_ones()
     assert not {p for p in parameters["train"] & parameters["val"] if p[0] in parametric}
 
 
+def test_drills_are_training_data_alone_in_training_openers_and_seeded():
+    """A drill's wording or a held-out opener in the other split would make held-out requests familiar."""
+    drills = drill_tasks(20 * len(DRILLS))
+    assert drills == drill_tasks(20 * len(DRILLS)) and drills != drill_tasks(20 * len(DRILLS), seed=1)
+    assert [t.family for t in drills[: len(DRILLS)]] == [d.name for d in DRILLS]
+    val = builtin_tasks("val", 700)
+    assert not {d.name for d in DRILLS} & {t.family for t in val + builtin_tasks("train", 700)}
+    held_out_openers = [o.split("{sig}")[0] for o in OPENERS[1::2]]
+    assert not any(t.request.startswith(start) for t in drills for start in held_out_openers)
+    held_out_words = {  # each stretch of a held-out description without a parameter, but the shortest
+        words for f in FAMILIES for body in f.bodies[1::2] for words in re.split(r"\{\w*\}", body) if len(words) > 8
+    }
+    assert not {words for t in drills for words in held_out_words if words in t.request}
+    for family in DRILLS:  # every description is used: no drill is ever held out
+        for body in family.bodies:
+            assert any(max(re.split(r"\{\w*\}", body), key=len) in t.request for t in drills if t.family == family.name)
+
+
 def test_every_reference_solution_passes_its_tests_in_the_sandbox_and_a_wrong_one_fails():
     tasks = builtin_tasks("train", len(FAMILIES), seed=3) + builtin_tasks("val", len(FAMILIES), seed=3)
+    tasks += drill_tasks(2 * len(DRILLS), seed=3)
     programs = [t.solution + "\n" + "\n".join(t.tests) + "\n" for t in tasks]
     assert [ok for ok, _ in run_programs(programs)] == [True] * len(tasks)
     wrong = [f"def {t.entry_point}(*args):\n    return None\n" + "\n".join(t.tests) + "\n" for t in tasks]
@@ -69,10 +88,17 @@ KNOWN = {  # family: (parameters, arguments, the answer worked out by hand)
     "merge_dicts": ({}, ({"x": 1, "z": 0}, {"x": 2, "y": 3}), {"x": 2, "z": 0, "y": 3}),
     "running_sum": ({}, ([1, 2, 3, -4],), [1, 3, 6, 2]),
     "parse_pairs": ({"a": "->", "b": "|"}, ("a->1|bc->-20",), {"a": 1, "bc": -20}),
+    "modulo": ({"a": 7}, (-3,), 4),
+    "divisible": ({"a": 6}, (-18,), True),
+    "at_least": ({"a": -4}, (-9,), -4),
+    "at_most": ({"a": -4}, (-2,), -4),
+    "split_on": ({"a": "->"}, ("a->->b",), ["a", "", "b"]),
+    "join_with": ({"a": "::"}, (["k", "lm", ""],), "k::lm::"),
+    "add_const": ({"a": 13}, (-20,), -7),
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("family", FAMILIES + DRILLS, ids=lambda f: f.name)
 def test_each_reference_solution_gives_the_answer_worked_out_by_hand(family):
     """The tests are the reference's answers: a wrong reference would make every task wrong and self-consistent."""
     params, args, answer = KNOWN[family.name]
@@ -83,3 +109,9 @@ def test_each_reference_solution_gives_the_answer_worked_out_by_hand(family):
         assert (scope["f"](-1), scope["f"](3)) == (0, 3)
     if family.name == "parse_pairs":
         assert scope["f"]("") == {}
+    if family.name == "divisible":
+        assert scope["f"](-17) is False
+    if family.name == "at_least":
+        assert scope["f"](0) == 0
+    if family.name == "at_most":
+        assert scope["f"](-6) == -6

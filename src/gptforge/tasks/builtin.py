@@ -1,6 +1,7 @@
 """Seeded families of small Python tasks over integers, strings, lists and dicts, each phrased several ways, with
 tests computed by a reference solution. The held-out split differs from the training one in its phrasings and in
-its families' parameters (a training task never reappears reworded, nor a held-out one with other words)."""
+its families' parameters (a training task never reappears reworded, nor a held-out one with other words). Drills,
+training-only families, add fine-tuning data whose answers copy a value of the request."""
 
 from __future__ import annotations
 
@@ -183,6 +184,104 @@ FAMILIES = (
         ("parse_pairs", "read_settings", "to_dict", "parse_config"),
     ),
 )
+# Training-only families whose whole answer is a value of the request written into code (a number, a
+# separator): drawn from wide ranges, so that copying it pays and recalling one does not.
+DRILL_SEPARATORS = ("=", ";", ":", ",", "->", "|", "&", "/", "#", "@", "~", "+", "*", "^", "::", "=>", "--", "..")
+DRILLS = (
+    Family(
+        "modulo",
+        "{name}(x: int) -> int",
+        (
+            "returns the remainder of x divided by {a}",
+            "returns x modulo {a}",
+            "returns x % {a}",
+            "gives what is left of x after dividing it by {a}",
+        ),
+        lambda rng, split: {"a": rng.randint(2, 40)},
+        lambda name, p: f"def {name}(x):\n    return x % {p['a']}\n",
+        lambda rng, p: (rng.randint(-50, 50),),
+        ("remainder", "mod", "modulo", "rest"),
+    ),
+    Family(
+        "divisible",
+        "{name}(x: int) -> bool",
+        (
+            "returns True if x is divisible by {a}, else False",
+            "tells whether x is a multiple of {a}",
+            "returns whether {a} divides x evenly",
+            "checks that x is a multiple of {a}",
+        ),
+        lambda rng, split: {"a": rng.randint(2, 40)},
+        lambda name, p: f"def {name}(x):\n    return x % {p['a']} == 0\n",
+        lambda rng, p: (rng.randint(-60, 60) * rng.choice((1, p["a"])),),
+        ("is_multiple", "divides", "divisible", "check"),
+    ),
+    Family(
+        "at_least",
+        "{name}(x: int) -> int",
+        (
+            "returns the larger of x and {a}",
+            "returns x, but never less than {a}",
+            "returns max of x and {a}",
+            "returns x raised to at least {a}",
+        ),
+        lambda rng, split: {"a": rng.randint(-40, 40)},
+        lambda name, p: f"def {name}(x):\n    return max({p['a']}, x)\n",
+        lambda rng, p: (rng.randint(p["a"] - 10, p["a"] + 10),),
+        ("at_least", "floor_at", "lower_bound", "atleast"),
+    ),
+    Family(
+        "at_most",
+        "{name}(x: int) -> int",
+        (
+            "returns the smaller of x and {a}",
+            "returns x, but never more than {a}",
+            "returns min of x and {a}",
+            "returns x capped at {a}",
+        ),
+        lambda rng, split: {"a": rng.randint(-40, 40)},
+        lambda name, p: f"def {name}(x):\n    return min({p['a']}, x)\n",
+        lambda rng, p: (rng.randint(p["a"] - 10, p["a"] + 10),),
+        ("at_most", "cap", "upper_bound", "atmost"),
+    ),
+    Family(
+        "split_on",
+        "{name}(text: str) -> list[str]",
+        (
+            "returns the parts of text split on '{a}'",
+            "splits text at every '{a}' into a list of strings",
+            "returns text cut into pieces at '{a}'",
+            "breaks text on the separator '{a}'",
+        ),
+        lambda rng, split: {"a": rng.choice(DRILL_SEPARATORS)},
+        lambda name, p: f"def {name}(text):\n    return text.split({p['a']!r})\n",
+        lambda rng, p: (p["a"].join(_word(rng, "klmn", (0, 3)) for _ in range(rng.randint(1, 4))),),
+        ("split_on", "pieces", "parts", "cut"),
+    ),
+    Family(
+        "join_with",
+        "{name}(items: list[str]) -> str",
+        (
+            "joins the strings of items with '{a}' between them",
+            "returns items joined by '{a}'",
+            "glues the strings in items together, separated by '{a}'",
+            "returns the items with '{a}' between each two",
+        ),
+        lambda rng, split: {"a": rng.choice(DRILL_SEPARATORS)},
+        lambda name, p: f"def {name}(items):\n    return {p['a']!r}.join(items)\n",
+        lambda rng, p: ([_word(rng, "klmn", (1, 3)) for _ in range(rng.randint(0, 4))],),
+        ("join_with", "glue", "joined", "concat"),
+    ),
+    Family(
+        "add_const",
+        "{name}(x: int) -> int",
+        ("returns x plus {a}", "adds {a} to x", "returns the sum of x and {a}", "returns x increased by {a}"),
+        lambda rng, split: {"a": rng.randint(1, 60)},
+        lambda name, p: f"def {name}(x):\n    return x + {p['a']}\n",
+        lambda rng, p: (rng.randint(-50, 50),),
+        ("add", "plus", "shift", "increase"),
+    ),
+)
 BY_NAME = {family.name: family for family in FAMILIES}
 TESTS_PER_TASK = 5
 
@@ -195,17 +294,33 @@ def builtin_tasks(split: str, count: int, seed: object = 0) -> list[Task]:
         raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
     rng = random.Random(f"gptforge-tasks-{seed}-{split}")
     mine = slice(0, None, 2) if split == "train" else slice(1, None, 2)
-    tasks = []
-    for i in range(count):
-        family = FAMILIES[i % len(FAMILIES)]
-        params = family.params(rng, split)
-        name = rng.choice(family.names)
-        body = rng.choice(family.bodies[mine]).format(**params)
-        request = rng.choice(OPENERS[mine]).format(sig=family.signature.format(name=name), body=body)
-        solution = family.solution(name, params)
-        tests = _tests(family, name, params, solution, rng)
-        tasks.append(Task(f"{split}/{i}", family.name, request, name, tests, solution))
-    return tasks
+    return [
+        _task(FAMILIES[i % len(FAMILIES)], rng, split=split, index=i, openers=OPENERS[mine], bodies=mine)
+        for i in range(count)
+    ]
+
+
+def drill_tasks(count: int, seed: object = 0) -> list[Task]:
+    """`count` training-only tasks cycling through the drills, in the training split's openers and any of a
+    drill's descriptions (no drill is held out); fine-tuning data alone: RL and the evaluations use `builtin_tasks`."""
+    rng = random.Random(f"gptforge-drills-{seed}")
+    return [
+        _task(DRILLS[i % len(DRILLS)], rng, split="drill", index=i, openers=OPENERS[::2], bodies=slice(None))
+        for i in range(count)
+    ]
+
+
+def _task(
+    family: Family, rng: random.Random, *, split: str, index: int, openers: tuple[str, ...], bodies: slice
+) -> Task:
+    """Task `index` of `split`: `family`'s parameters, a function name, and a request from `openers` and the
+    family's `bodies`."""
+    params = family.params(rng, split)
+    name = rng.choice(family.names)
+    body = rng.choice(family.bodies[bodies]).format(**params)
+    request = rng.choice(openers).format(sig=family.signature.format(name=name), body=body)
+    solution = family.solution(name, params)
+    return Task(f"{split}/{index}", family.name, request, name, _tests(family, name, params, solution, rng), solution)
 
 
 def _tests(family: Family, name: str, params: dict, solution: str, rng: random.Random) -> tuple[str, ...]:

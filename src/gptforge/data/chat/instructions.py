@@ -4,7 +4,7 @@ the built-in verifiable tasks.
 For each function or method with a docstring, the user asks for a function with that name, signature and the
 docstring's description, and the assistant answers with the function's source. Built from any Python documents
 (the standard library for the embedded default), so it needs nothing from the network. A built-in task's request
-is answered with its reference solution (training tasks in train, held-out ones in val).
+is answered with its reference solution (training tasks and drills in train, held-out ones in val).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from gptforge.data.pipeline import is_validation
-from gptforge.tasks.builtin import builtin_tasks
+from gptforge.tasks.builtin import builtin_tasks, drill_tasks
 from gptforge.tasks.reply import parsed
 from gptforge.tokens.chat import Message
 
 TASK_SOURCE = "builtin:"  # how a built-in task's row names its source
+DRILL_SOURCE = f"{TASK_SOURCE}drill/"  # and a drill's
 
 MAX_SOURCE_CHARS = 1500  # a reply must fit the demo's context with its request (~4 characters a token)
 MIN_SOURCE_LINES = 3
@@ -59,11 +60,13 @@ def conversation_rows(documents: Iterable[tuple[str, str]], val_fraction: float,
             yield {"messages": messages, "split": split, "source": f"{name}:{task.name}"}
 
 
-def task_rows(train: int, val: int, seed: int = 0) -> Iterator[dict]:
-    """`prepare --chat` rows of `train` built-in training tasks and `val` held-out ones, each answered with its
-    reference solution (repeated tasks among them are one for prepare's de-duplication)."""
-    for split, count in (("train", train), ("val", val)):
-        for task in builtin_tasks(split, count, seed):
+def task_rows(train: int, val: int, drills: int = 0, seed: int = 0) -> Iterator[dict]:
+    """`prepare --chat` rows of `train` built-in training tasks, `drills` training-only drills and `val` held-out
+    tasks, each answered with its reference solution (repeated tasks among them are one for prepare's
+    de-duplication)."""
+    splits = (("train", builtin_tasks("train", train, seed)), ("train", drill_tasks(drills, seed)))
+    for split, tasks in (*splits, ("val", builtin_tasks("val", val, seed))):
+        for task in tasks:
             reply = task.solution.rstrip()  # as a function's source is, in the rows above
             messages = [{"role": "user", "content": task.request}, {"role": "assistant", "content": reply}]
             yield {"messages": messages, "split": split, "source": f"{TASK_SOURCE}{task.name}"}
