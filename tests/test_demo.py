@@ -1,6 +1,7 @@
 """`gptforge demo` end to end on the real stdlib corpus, with a tiny model and a seconds-long budget."""
 
 import dataclasses
+import hashlib
 import json
 import re
 import shlex
@@ -150,6 +151,9 @@ def test_the_chat_demo_fine_tunes_the_demo_s_model_on_function_requests(tmp_path
     assert len(tasks) == 91 and {r["split"] for r in tasks} == {"train", "val"}
     drills = [r for r in tasks if r["source"].startswith("builtin:drill/")]  # fine-tuning data alone
     assert len(drills) == 14 and {r["split"] for r in drills} == {"train"}
+    manifest = read_manifest(tmp_path / "data" / "stdlib-chat")  # tasks a number apart are distinct answers
+    distinct = {json.dumps(r["messages"]) for r in rows}
+    assert sum(split["docs"] for split in manifest["splits"].values()) == len(distinct)
     assert read_manifest(tmp_path / "data" / "stdlib-chat")["chat"]["template"] == "chatml"
     _, tok, cfg, _ = load_checkpoint(out)
     assert cfg.train.init_from.startswith(str(base)) and cfg.data.chat_template == "chatml"
@@ -236,6 +240,19 @@ def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_anothe
     gptforge.demo.prepare_function_conversations(data, chat)
     assert rows_file.read_text().splitlines() == [json.dumps(r) for r in rows]
     assert read_manifest(chat)["splits"]["train"]["docs"] > older  # and the folder holds them
+    cut = rows_file.read_text().splitlines()[:-1]  # rows written again, the folder not (an upgrade cut short)
+    rows_file.write_text("".join(line + "\n" for line in cut))
+    gptforge.demo.prepare_function_conversations(data, chat)
+    assert "prepared from other rows than stdlib-chat.jsonl's; preparing it again" in capsys.readouterr().out
+    assert read_manifest(chat)["settings"]["sha256"] == hashlib.sha256(rows_file.read_bytes()).hexdigest()
+    gptforge.demo.prepare_function_conversations(data, chat)  # and reused once it matches
+    assert "preparing it again" not in capsys.readouterr().out
+    same_bpe = tmp_path / "same" / "stdlib-chat"  # the user's own conversations in the demo's BPE: refused too
+    (tmp_path / "mine.jsonl").write_text(rows_file.read_text())
+    prepare_chat(str(tmp_path / "mine.jsonl"), same_bpe, settings)
+    with pytest.raises(GptforgeError, match="not from stdlib-chat.jsonl; move it away"):
+        gptforge.demo.prepare_function_conversations(data, same_bpe)
+    assert Path(read_manifest(same_bpe)["source"]).name == "mine.jsonl"
     theirs = tmp_path / "theirs" / "stdlib-chat"  # a folder of the user's own conversations is never replaced
     mine = tmp_path / "mine.jsonl"
     mine.write_text(chat.with_name("stdlib-chat.jsonl").read_text())

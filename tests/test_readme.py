@@ -75,6 +75,7 @@ def test_the_rl_figures_are_the_recorded_runs():
     gains = [100 * (run["pass@1"]["rl"] - run["pass@1"]["sft"]) for run in record["runs"]]
     ratios = [run["pass@1"]["rl"] / run["pass@1"]["sft"] for run in record["runs"]]
     curve = [point["pass@1"] for point in first["held_out_curve"][1:]]  # after step 0, the fine-tuned model
+    later = [point["pass@1"] for point in second["held_out_curve"][1:]]
     quoted = [
         f"| base (each request as comments) | {record['base']['pass@1']:.1%} | {record['base']['pass@1']:.1%} |",
         f"| after fine-tuning | {percent(first, 'sft')} | {percent(second, 'sft')} |",
@@ -83,7 +84,8 @@ def test_the_rl_figures_are_the_recorded_runs():
         f"{percent(second, 'rl')} after RL",
         f"answers {percent(first, 'rl')} and {percent(second, 'rl')} of held-out requests correctly",
         f"RL added {gains[0]:.1f} and {gains[1]:.1f} points ({ratios[0]:.2f}× and {ratios[1]:.2f}×)",
-        f"fine-tuning, 480 steps of 4,096 tokens ({first['sft_seconds']:.0f} s and {second['sft_seconds']:.0f} s)",
+        f"{first['rl_seconds']:.0f} s and {second['rl_seconds']:.0f} s with an evaluation every 10 steps)",
+        f"seed 1338's between {min(later):.1%} and {max(later):.1%}",
         f"moved between {min(curve):.1%} and {max(curve):.1%}",
         f"An RL step took {first['rl_step_seconds']['sample_s']:.2f} s sampling 56 replies",
         f"{first['rl_step_seconds']['score_s']:.2f} s scoring them",

@@ -23,7 +23,8 @@ from gptforge.checkpoint import (
 from gptforge.config import config_from_dict, load_config
 from gptforge.data.chat.doctests import VAL_FRACTION  # the held-out files give held-out mined tasks too
 from gptforge.data.chat.instructions import DRILL_SOURCE, conversation_rows, task_rows
-from gptforge.data.chat.prepare import ChatSettings, prepare_chat
+from gptforge.data.chat.prepare import ChatSettings, prepare_chat, sources_sha256
+from gptforge.data.clean.dedup import DedupSettings
 from gptforge.data.outdir import TOKENIZER_FILE
 from gptforge.data.prepare import prepare
 from gptforge.data.prepare_settings import PrepareSettings
@@ -277,38 +278,52 @@ def _base_checkpoint(base_dir: Path, data_dir: Path) -> Path:
 
 def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
     """`data/stdlib-chat.jsonl` (a request for each documented function of the stdlib, answered with its source,
-    in its file's split; and the built-in tasks, answered with their reference solutions) and the chat folder
-    prepared from it; both reused when present, the folder prepared again once --data's tokenizer changed, both
-    written again where an earlier version of the demo wrote them without the tasks or the drills."""
+    in its file's split; and the built-in tasks and drills, answered with their reference solutions) and the chat
+    folder prepared from it; both reused when present, the rows written again where an earlier version of the demo
+    wrote them without the drills, the folder prepared again once it no longer matches the rows or --data's BPE."""
     rows_file = chat_data.with_name(f"{chat_data.name}.jsonl")
+    prepared = (chat_data / MANIFEST).is_file()
+    if prepared:
+        _check_ours(chat_data, rows_file)
     older = rows_file.is_file() and not any(
-        str(row.get("source", "")).startswith(DRILL_SOURCE) for _, row in read_jsonl(rows_file)
+        isinstance(row, dict) and str(row.get("source", "")).startswith(DRILL_SOURCE)
+        for _, row in read_jsonl(rows_file)
     )
     if not rows_file.is_file() or older:
         rows = itertools.chain(
-            conversation_rows(stdlib_documents(), VAL_FRACTION), task_rows(TRAINING_TASKS, HELD_OUT_TASKS, DRILL_TASKS)
+            conversation_rows(stdlib_documents(), VAL_FRACTION),
+            task_rows(TRAINING_TASKS, HELD_OUT_TASKS, DRILL_TASKS),
         )
         atomic_write(rows_file, "".join(to_json(row) + "\n" for row in rows))
-    stale = (chat_data / MANIFEST).is_file() and (older or _other_tokenizer(chat_data, data_dir, rows_file))
-    if stale or not (chat_data / MANIFEST).is_file():
-        settings = ChatSettings(tokenizer=str(data_dir / TOKENIZER_FILE), val_fraction=0.0)
-        prepare_chat(str(rows_file), chat_data, settings, force=stale)
+    if not prepared or _stale(chat_data, data_dir, rows_file):
+        # exact copies only: tasks a number or a separator apart are near copies in words, and distinct answers
+        settings = ChatSettings(
+            tokenizer=str(data_dir / TOKENIZER_FILE), val_fraction=0.0, dedup=DedupSettings("exact")
+        )
+        prepare_chat(str(rows_file), chat_data, settings, force=prepared)
     return rows_file
 
 
-def _other_tokenizer(chat_data: Path, data_dir: Path, rows_file: Path) -> bool:
-    """The demo's chat folder holds another tokenizer than --data's (--data was prepared again since): its ids
-    would mean other text to the base. A folder prepared from other rows than the demo's is refused, not replaced."""
+def _check_ours(chat_data: Path, rows_file: Path) -> None:
+    """A chat folder prepared from other rows than the demo's is the user's: refused, never replaced."""
+    if Path(str(read_manifest(chat_data).get("source", ""))).name != rows_file.name:
+        raise GptforgeError(
+            f"{chat_data}: conversations not from {rows_file.name}; move it away (the chat demo prepares its "
+            "conversations there)"
+        )
+
+
+def _stale(chat_data: Path, data_dir: Path, rows_file: Path) -> bool:
+    """The demo's chat folder no longer matches: other rows than the rows file's (written again since, an upgrade
+    cut short included), other de-duplication, or another BPE than --data's (whose ids would mean other text)."""
+    settings = read_manifest(chat_data).get("settings", {})
+    if settings.get("sha256") != sources_sha256([rows_file]) or settings.get("dedup") != "exact":
+        print(f"{chat_data}: prepared from other rows than {rows_file.name}'s; preparing it again", flush=True)
+        return True
     try:
         same = (chat_data / TOKENIZER_FILE).read_bytes() == (data_dir / TOKENIZER_FILE).read_bytes()
     except OSError:  # no tokenizer.json: a folder of GPT-2 ids, which the demo's BPE does not read
         same = False
-    if same:
-        return False
-    if Path(str(read_manifest(chat_data).get("source", ""))).name != rows_file.name:
-        raise GptforgeError(
-            f"{chat_data}: conversations prepared with another tokenizer than --data {data_dir}'s, and not from "
-            f"{rows_file.name}; move it away (the chat demo prepares its conversations there)"
-        )
-    print(f"{chat_data}: prepared with another tokenizer than --data's; preparing it again", flush=True)
-    return True
+    if not same:
+        print(f"{chat_data}: prepared with another tokenizer than --data's; preparing it again", flush=True)
+    return not same

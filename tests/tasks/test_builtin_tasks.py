@@ -50,17 +50,34 @@ def test_held_out_tasks_share_no_phrasing_and_no_parameters_with_training_ones()
 
 def test_drills_are_training_data_alone_in_training_openers_and_seeded():
     """A drill's wording or a held-out opener in the other split would make held-out requests familiar."""
-    drills = drill_tasks(20 * len(DRILLS))
-    assert drills == drill_tasks(20 * len(DRILLS)) and drills != drill_tasks(20 * len(DRILLS), seed=1)
+    drills = drill_tasks(4000)  # the demo's count: a rare draw (one task in 30) comes too
+    assert drills == drill_tasks(4000) and drills != drill_tasks(4000, seed=1)
     assert [t.family for t in drills[: len(DRILLS)]] == [d.name for d in DRILLS]
     val = builtin_tasks("val", 700)
     assert not {d.name for d in DRILLS} & {t.family for t in val + builtin_tasks("train", 700)}
     held_out_openers = [o.split("{sig}")[0] for o in OPENERS[1::2]]
     assert not any(t.request.startswith(start) for t in drills for start in held_out_openers)
-    held_out_words = {  # each stretch of a held-out description without a parameter, but the shortest
-        words for f in FAMILIES for body in f.bodies[1::2] for words in re.split(r"\{\w*\}", body) if len(words) > 8
+    held_out_phrases = {  # every four words in a row of a held-out description
+        " ".join(words[i : i + 4])
+        for f in FAMILIES
+        for body in f.bodies[1::2]
+        for stretch in re.split(r"\{\w*\}", body)
+        for words in [stretch.split()]
+        for i in range(len(words) - 3)
     }
-    assert not {words for t in drills for words in held_out_words if words in t.request}
+    assert not {p for t in drills for p in held_out_phrases if p in " ".join(t.request.split())}
+    held_out = {t.solution.split("\n", 1)[1] for t in val if t.family in ("keep_multiples", "parse_pairs")}
+    divisors = {re.search(r"% (\d+)", s).group(1) for s in held_out if "%" in s}
+    marks = {m for s in held_out for m in re.findall(r"split\('([^']+)'\)", s)} - {"="}  # '=' is a training mark too
+    assert divisors == {"5", "6", "7"} and marks == {"->", "|", "&"}
+    assert not any(re.search(rf"\b{d}\b", t.request) for t in drills for d in divisors if "%" in t.solution)
+    assert not any(f"'{m}'" in t.request for t in drills for m in marks)  # no held-out value is ever copied here
+    for task in drills:  # neither a constant nor the argument passes a drill's tests
+        answers = [test.rsplit(" == ", 1)[1] for test in task.tests]
+        assert len(set(answers)) > 1 and answers != [t.split("(", 1)[1].rsplit(") == ", 1)[0] for t in task.tests]
+        if task.family == "join_with":  # and the separator is tested between two items
+            separator = re.search(r"'(.+)'\.join", task.solution).group(1)
+            assert any(separator in answer for answer in answers), task
     for family in DRILLS:  # every description is used: no drill is ever held out
         for body in family.bodies:
             assert any(max(re.split(r"\{\w*\}", body), key=len) in t.request for t in drills if t.family == family.name)
@@ -89,7 +106,7 @@ KNOWN = {  # family: (parameters, arguments, the answer worked out by hand)
     "running_sum": ({}, ([1, 2, 3, -4],), [1, 3, 6, 2]),
     "parse_pairs": ({"a": "->", "b": "|"}, ("a->1|bc->-20",), {"a": 1, "bc": -20}),
     "modulo": ({"a": 7}, (-3,), 4),
-    "divisible": ({"a": 6}, (-18,), True),
+    "divisible": ({"a": 9}, (-18,), True),
     "at_least": ({"a": -4}, (-9,), -4),
     "at_most": ({"a": -4}, (-2,), -4),
     "split_on": ({"a": "->"}, ("a->->b",), ["a", "", "b"]),

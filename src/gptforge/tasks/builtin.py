@@ -185,8 +185,10 @@ FAMILIES = (
     ),
 )
 # Training-only families whose whole answer is a value of the request written into code (a number, a
-# separator): drawn from wide ranges, so that copying it pays and recalling one does not.
-DRILL_SEPARATORS = ("=", ";", ":", ",", "->", "|", "&", "/", "#", "@", "~", "+", "*", "^", "::", "=>", "--", "..")
+# separator): drawn from wide ranges, so that copying it pays and recalling one does not. None of them is a held-out
+# task's parameter (keep_multiples' divisors, parse_pairs' marks): a held-out copy is of a value never copied before.
+DRILL_DIVISORS = tuple(a for a in range(2, 41) if a not in (5, 6, 7))
+DRILL_SEPARATORS = ("=", ";", ":", ",", "/", "#", "@", "~", "+", "*", "^", "::", "=>", "--", "..", "%", "!", "$")
 DRILLS = (
     Family(
         "modulo",
@@ -195,9 +197,9 @@ DRILLS = (
             "returns the remainder of x divided by {a}",
             "returns x modulo {a}",
             "returns x % {a}",
-            "gives what is left of x after dividing it by {a}",
+            "returns x mod {a}, as Python's % gives it",
         ),
-        lambda rng, split: {"a": rng.randint(2, 40)},
+        lambda rng, split: {"a": rng.choice(DRILL_DIVISORS)},
         lambda name, p: f"def {name}(x):\n    return x % {p['a']}\n",
         lambda rng, p: (rng.randint(-50, 50),),
         ("remainder", "mod", "modulo", "rest"),
@@ -207,14 +209,14 @@ DRILLS = (
         "{name}(x: int) -> bool",
         (
             "returns True if x is divisible by {a}, else False",
-            "tells whether x is a multiple of {a}",
+            "tells whether x divides by {a} with no remainder",
             "returns whether {a} divides x evenly",
-            "checks that x is a multiple of {a}",
+            "checks that {a} goes into x evenly",
         ),
-        lambda rng, split: {"a": rng.randint(2, 40)},
+        lambda rng, split: {"a": rng.choice(DRILL_DIVISORS)},
         lambda name, p: f"def {name}(x):\n    return x % {p['a']} == 0\n",
         lambda rng, p: (rng.randint(-60, 60) * rng.choice((1, p["a"])),),
-        ("is_multiple", "divides", "divisible", "check"),
+        ("is_divisible", "divides", "divisible", "check"),
     ),
     Family(
         "at_least",
@@ -223,7 +225,7 @@ DRILLS = (
             "returns the larger of x and {a}",
             "returns x, but never less than {a}",
             "returns max of x and {a}",
-            "returns x raised to at least {a}",
+            "returns x, or {a} when x is smaller",
         ),
         lambda rng, split: {"a": rng.randint(-40, 40)},
         lambda name, p: f"def {name}(x):\n    return max({p['a']}, x)\n",
@@ -263,13 +265,13 @@ DRILLS = (
         "{name}(items: list[str]) -> str",
         (
             "joins the strings of items with '{a}' between them",
-            "returns items joined by '{a}'",
+            "returns the strings of items glued with '{a}'",
             "glues the strings in items together, separated by '{a}'",
             "returns the items with '{a}' between each two",
         ),
         lambda rng, split: {"a": rng.choice(DRILL_SEPARATORS)},
         lambda name, p: f"def {name}(items):\n    return {p['a']!r}.join(items)\n",
-        lambda rng, p: ([_word(rng, "klmn", (1, 3)) for _ in range(rng.randint(0, 4))],),
+        lambda rng, p: ([_word(rng, "klmn", (1, 3)) for _ in range(rng.choice((0, 2, 3, 4)))],),
         ("join_with", "glue", "joined", "concat"),
     ),
     Family(
@@ -305,22 +307,43 @@ def drill_tasks(count: int, seed: object = 0) -> list[Task]:
     drill's descriptions (no drill is held out); fine-tuning data alone: RL and the evaluations use `builtin_tasks`."""
     rng = random.Random(f"gptforge-drills-{seed}")
     return [
-        _task(DRILLS[i % len(DRILLS)], rng, split="drill", index=i, openers=OPENERS[::2], bodies=slice(None))
+        _task(
+            DRILLS[i % len(DRILLS)], rng, split="drill", index=i, openers=OPENERS[::2], bodies=slice(None), varied=True
+        )
         for i in range(count)
     ]
 
 
 def _task(
-    family: Family, rng: random.Random, *, split: str, index: int, openers: tuple[str, ...], bodies: slice
+    family: Family,
+    rng: random.Random,
+    *,
+    split: str,
+    index: int,
+    openers: tuple[str, ...],
+    bodies: slice,
+    varied: bool = False,
 ) -> Task:
     """Task `index` of `split`: `family`'s parameters, a function name, and a request from `openers` and the
-    family's `bodies`."""
+    family's `bodies`; `varied`: tests that neither a constant nor returning the argument passes."""
     params = family.params(rng, split)
     name = rng.choice(family.names)
     body = rng.choice(family.bodies[bodies]).format(**params)
     request = rng.choice(openers).format(sig=family.signature.format(name=name), body=body)
     solution = family.solution(name, params)
-    return Task(f"{split}/{index}", family.name, request, name, _tests(family, name, params, solution, rng), solution)
+    tests = _tests(family, name, params, solution, rng)
+    for _ in range(20):
+        if not varied or not _trivial(tests):
+            break
+        tests = _tests(family, name, params, solution, rng)
+    return Task(f"{split}/{index}", family.name, request, name, tests, solution)
+
+
+def _trivial(tests: tuple[str, ...]) -> bool:
+    """A constant, or the function returning its argument, would pass every one of `tests`."""
+    answers = [test.rsplit(" == ", 1)[1] for test in tests]
+    arguments = [test.split("(", 1)[1].rsplit(") == ", 1)[0] for test in tests]
+    return len(set(answers)) == 1 or answers == arguments
 
 
 def _tests(family: Family, name: str, params: dict, solution: str, rng: random.Random) -> tuple[str, ...]:

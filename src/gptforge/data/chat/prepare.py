@@ -203,10 +203,20 @@ def prepare_chat(source: str, out: str | Path, settings: ChatSettings, force: bo
         check_output_dir(out, force, reads=reads)  # again, holding the lock: another prepare may have written it
         removed = {**{f"bad rows ({k})": v for k, v in counts.bad.items()}, **counts.removed}
         shown = printable(source)  # a name that is not UTF-8 goes into the manifest and report.md escaped
-        manifest = _write(tmp, shown, base, splits, settings, removed)
+        manifest = _write(tmp, shown, base, splits, settings, removed, sha256=sources_sha256(files))
         atomic_write(tmp / REMOVED_FILE, counts.trace)
         atomic_write(tmp / "report.md", _report(shown, counts, manifest))
     return manifest
+
+
+def sources_sha256(files: list[Path]) -> str:
+    """One digest of the source files' bytes, in order: what a prepared folder was made from, to compare with."""
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _fingerprint(messages: list[Message], settings: DedupSettings) -> Fingerprint:
@@ -235,7 +245,14 @@ def _check_training_left(source: str, counts: ChatCounts, splits: dict[str, _Spl
 
 
 def _write(
-    tmp: Path, source: str, base, splits: dict[str, _Split], settings: ChatSettings, removed: dict[str, int]
+    tmp: Path,
+    source: str,
+    base,
+    splits: dict[str, _Split],
+    settings: ChatSettings,
+    removed: dict[str, int],
+    *,
+    sha256: str,
 ) -> dict[str, Any]:
     dtype = dtype_for_vocab(base.vocab_size + len(CHAT_TEXTS))
     shards, totals = [], {}
@@ -270,6 +287,7 @@ def _write(
     }
     manifest["settings"] = {"source": source, "val_fraction": settings.val_fraction, "seed": settings.seed}
     manifest["settings"]["dedup"] = settings.dedup.mode
+    manifest["settings"]["sha256"] = sha256  # the source files', to tell a folder made from other rows
     write_manifest(tmp, manifest)
     return manifest
 
