@@ -250,14 +250,25 @@ def test_the_chat_demo_prepares_its_conversations_again_once_its_data_has_anothe
     same_bpe = tmp_path / "same" / "stdlib-chat"  # the user's own conversations in the demo's BPE: refused too
     (tmp_path / "mine.jsonl").write_text(rows_file.read_text())
     prepare_chat(str(tmp_path / "mine.jsonl"), same_bpe, settings)
-    with pytest.raises(GptforgeError, match="not from stdlib-chat.jsonl; move it away"):
+    with pytest.raises(GptforgeError, match=r"conversations not from \S+/stdlib-chat\.jsonl; move it away"):
         gptforge.demo.prepare_function_conversations(data, same_bpe)
     assert Path(read_manifest(same_bpe)["source"]).name == "mine.jsonl"
+    elsewhere = tmp_path / "elsewhere" / "stdlib-chat.jsonl"  # a file of the same name, not the demo's rows
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(rows_file.read_text())
+    prepare_chat(str(elsewhere), same_bpe, settings, force=True)
+    with pytest.raises(GptforgeError, match="move it away"):
+        gptforge.demo.prepare_function_conversations(data, same_bpe)
+    assert read_manifest(same_bpe)["source"] == str(elsewhere)
+    manifest = json.loads((chat / "manifest.json").read_text())  # a manifest whose settings are not an object
+    (chat / "manifest.json").write_text(json.dumps({**manifest, "settings": None}))
+    gptforge.demo.prepare_function_conversations(data, chat)
+    assert read_manifest(chat)["settings"]["sha256"] == hashlib.sha256(rows_file.read_bytes()).hexdigest()
     theirs = tmp_path / "theirs" / "stdlib-chat"  # a folder of the user's own conversations is never replaced
     mine = tmp_path / "mine.jsonl"
     mine.write_text(chat.with_name("stdlib-chat.jsonl").read_text())
     prepare_chat(str(mine), theirs, ChatSettings(val_fraction=0.0))
-    with pytest.raises(GptforgeError, match="not from stdlib-chat.jsonl; move it away"):
+    with pytest.raises(GptforgeError, match=r"conversations not from \S+/stdlib-chat\.jsonl; move it away"):
         gptforge.demo.prepare_function_conversations(data, theirs)
     assert read_manifest(theirs)["tokenizer"]["name"] == "gpt2"
 

@@ -300,15 +300,17 @@ def prepare_function_conversations(data_dir: Path, chat_data: Path) -> Path:
         settings = ChatSettings(
             tokenizer=str(data_dir / TOKENIZER_FILE), val_fraction=0.0, dedup=DedupSettings("exact")
         )
-        prepare_chat(str(rows_file), chat_data, settings, force=prepared)
+        prepare_chat(str(rows_file.resolve()), chat_data, settings, force=prepared)  # from any folder later
     return rows_file
 
 
 def _check_ours(chat_data: Path, rows_file: Path) -> None:
-    """A chat folder prepared from other rows than the demo's is the user's: refused, never replaced."""
-    if Path(str(read_manifest(chat_data).get("source", ""))).name != rows_file.name:
+    """A chat folder prepared from another file than the demo's rows beside it is the user's: refused, never
+    replaced (a file of the same name elsewhere included)."""
+    source = Path(str(read_manifest(chat_data).get("source", "")))
+    if source.name != rows_file.name or source.resolve() != rows_file.resolve():
         raise GptforgeError(
-            f"{chat_data}: conversations not from {rows_file.name}; move it away (the chat demo prepares its "
+            f"{chat_data}: conversations not from {rows_file}; move it away (the chat demo prepares its "
             "conversations there)"
         )
 
@@ -316,7 +318,8 @@ def _check_ours(chat_data: Path, rows_file: Path) -> None:
 def _stale(chat_data: Path, data_dir: Path, rows_file: Path) -> bool:
     """The demo's chat folder no longer matches: other rows than the rows file's (written again since, an upgrade
     cut short included), other de-duplication, or another BPE than --data's (whose ids would mean other text)."""
-    settings = read_manifest(chat_data).get("settings", {})
+    settings = read_manifest(chat_data).get("settings")
+    settings = settings if isinstance(settings, dict) else {}
     if settings.get("sha256") != sources_sha256([rows_file]) or settings.get("dedup") != "exact":
         print(f"{chat_data}: prepared from other rows than {rows_file.name}'s; preparing it again", flush=True)
         return True

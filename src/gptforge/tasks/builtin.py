@@ -185,8 +185,9 @@ FAMILIES = (
     ),
 )
 # Training-only families whose whole answer is a value of the request written into code (a number, a
-# separator): drawn from wide ranges, so that copying it pays and recalling one does not. None of them is a held-out
-# task's parameter (keep_multiples' divisors, parse_pairs' marks): a held-out copy is of a value never copied before.
+# separator): drawn from wide ranges, so that copying it pays and recalling one does not. No drill divides by a
+# held-out divisor (keep_multiples') or splits on a held-out mark (parse_pairs'). Their tests check the reference
+# alone: fine-tuning reads a drill's answer, and RL and the evaluations never draw a drill.
 DRILL_DIVISORS = tuple(a for a in range(2, 41) if a not in (5, 6, 7))
 DRILL_SEPARATORS = ("=", ";", ":", ",", "/", "#", "@", "~", "+", "*", "^", "::", "=>", "--", "..", "%", "!", "$")
 DRILLS = (
