@@ -308,7 +308,7 @@ def _check_ours(chat_data: Path, rows_file: Path) -> None:
     """A chat folder prepared from another file than the demo's rows beside it is the user's: refused, never
     replaced (a file of the same name elsewhere included)."""
     source = Path(str(read_manifest(chat_data).get("source", "")))
-    if source.name != rows_file.name or source.resolve() != rows_file.resolve():
+    if source.resolve() != rows_file.resolve():
         raise GptforgeError(
             f"{chat_data}: conversations not from {rows_file}; move it away (the chat demo prepares its "
             "conversations there)"
