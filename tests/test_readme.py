@@ -92,6 +92,9 @@ def test_the_rl_figures_are_the_recorded_runs():
         f"{first['rl_step_seconds']['update_s']:.2f} s for the update",
         f"matmul peaks {record['matmul_gflops']['fp32']} GFLOP/s fp32, {record['matmul_gflops']['bf16']} bf16",
     ]
+    from gptforge.demo import DRILL_TASKS, TRAINING_TASKS  # the recorded run's data is the demo's
+
+    quoted.append(f"{TRAINING_TASKS:,} built-in training tasks and {DRILL_TASKS:,} drills")
     before = json.loads((ROOT / "benchmarks" / "rl-demo-cpu-2026-11-27.json").read_text())["runs"]  # no drills
     gained = " and ".join(f"{100 * (r['pass@1']['rl'] - r['pass@1']['sft']):+.1f}" for r in before)
     quoted.append(
